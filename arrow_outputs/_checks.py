@@ -1,0 +1,105 @@
+"""Small shared checks: array coercion, dtype and offsets validation, value descriptions."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+
+from ._torch import is_tensor, tensor_dtype_name, tensor_to_numpy
+from .errors import DTypeError, FieldTypeError, OffsetsError, ShapeError
+
+INT32_MAX = 2**31 - 1
+
+
+def describe(x: Any) -> str:
+    """A short description of a value for error messages: its kind, dtype and shape."""
+    if isinstance(x, np.ndarray):
+        return f"a numpy {x.dtype} array of shape {tuple(x.shape)}"
+    if is_tensor(x):
+        return f"a torch {tensor_dtype_name(x)} tensor of shape {tuple(x.shape)}"
+    if x is None:
+        return "None"
+    text = repr(x)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return f"{type(x).__name__} {text}"
+
+
+def host_array(x: Any, field: str) -> tuple[np.ndarray, str]:
+    """numpy view of a numpy array or host tensor, and its dtype name (``bfloat16`` kept)."""
+    if isinstance(x, np.ndarray):
+        return x, x.dtype.name
+    if is_tensor(x):
+        return tensor_to_numpy(x, field), tensor_dtype_name(x)
+    raise FieldTypeError(field, "a numpy array or a torch tensor", describe(x))
+
+
+def check_dtype(dtype: str, allowed: Sequence[str], field: str) -> None:
+    if dtype not in allowed:
+        raise DTypeError(field, " or ".join(allowed), dtype)
+
+
+def check_ndim(a: np.ndarray, ndim: int, field: str) -> None:
+    if a.ndim != ndim:
+        raise ShapeError(field, f"a {ndim}-D array", f"shape {tuple(a.shape)}")
+
+
+def contiguous(a: np.ndarray) -> np.ndarray:
+    """C-contiguous ``a``: itself when it already is (zero-copy), else one copy."""
+    return a if a.flags.c_contiguous else np.ascontiguousarray(a)
+
+
+def offsets_from_list(values: Any, field: str, *, last: int, what: str) -> np.ndarray:
+    """Validate Python-list offsets (``cu_num_generated_tokens``) and make int32 offsets.
+
+    They must start at 0, never decrease, and end at ``last`` (the number of ``what``).
+    """
+    if not isinstance(values, (list, tuple)):
+        raise FieldTypeError(field, "a list of ints or None", describe(values))
+    try:
+        arr = np.array(values, dtype=np.int64)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise FieldTypeError(field, "a list of ints", describe(values)) from e
+    check_offsets(arr, field, last=last, what=what)
+    return arr.astype(np.int32)
+
+
+def check_offsets(arr: np.ndarray, field: str, *, last: int, what: str) -> None:
+    if arr.ndim != 1 or len(arr) == 0:
+        raise OffsetsError(field, "a 1-D sequence of at least one offset", describe(arr))
+    if arr[0] != 0:
+        raise OffsetsError(field, "offsets starting at 0", f"offsets starting at {arr[0]}")
+    if arr[-1] != last:
+        raise OffsetsError(
+            field,
+            f"{len(arr)} offsets ending at {last} (the number of {what})",
+            f"{len(arr)} ending at {arr[-1]}",
+        )
+    if len(arr) > 1 and (np.diff(arr) < 0).any():
+        i = int(np.argmax(np.diff(arr) < 0))
+        raise OffsetsError(
+            field, "non-decreasing offsets", f"{arr[i]} followed by {arr[i + 1]} at index {i}"
+        )
+    if last > INT32_MAX:
+        raise OffsetsError(field, f"at most {INT32_MAX} {what}", str(last))
+
+
+@lru_cache(maxsize=64)
+def arange_offsets(n: int, step: int = 1) -> np.ndarray:
+    """``[0, step, 2*step, ..., n*step]`` as read-only int32; cached (steps reuse sizes)."""
+    if n * step > INT32_MAX:
+        raise OffsetsError("offsets", f"at most {INT32_MAX} values", str(n * step))
+    out = np.arange(0, (n + 1) * step, step, dtype=np.int32) if step else np.zeros(n + 1, np.int32)
+    out.flags.writeable = False
+    return out
+
+
+def is_arange(offsets: np.ndarray, step: int = 1) -> bool:
+    """True when ``offsets`` is ``base + [0, step, 2*step, ...]``."""
+    if len(offsets) <= 1:
+        return True
+    d = np.diff(offsets)
+    return bool(d[0] == step and (d == step).all())
