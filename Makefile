@@ -4,14 +4,16 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 # The CPU build of torch, pinned for development and tests (an unpinned torch pulls CUDA).
 TORCH  := torch==2.13.0
+# Extra pip arguments for that install, e.g. a CPU wheel index where pip does not find one.
+TORCH_PIP_ARGS ?=
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test lint typecheck unit docs notebooks bench demo clean
+.PHONY: install test lint typecheck unit docs notebooks bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH)" --extra-index-url https://download.pytorch.org/whl/cpu
+	$(PY) -m pip install -q "$(TORCH)" $(TORCH_PIP_ARGS)
 	$(PY) -m pip install -q -e ".[test,docs,notebooks]"
 	touch $(STAMP)
 
@@ -31,15 +33,12 @@ docs: $(STAMP)
 	$(VENV)/bin/mkdocs build --strict --site-dir site
 
 notebooks: $(STAMP)
-	$(PY) -m arrow_outputs._notebooks notebooks
+	$(PY) notebooks/execute.py notebooks
 
 test: lint typecheck unit docs notebooks
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_encode.py
-
-demo: $(STAMP)
-	$(PY) -m arrow_outputs.demo
 
 clean:
 	rm -rf $(VENV) site .pytest_cache .mypy_cache .ruff_cache .hypothesis
