@@ -28,10 +28,34 @@ def describe(x: Any) -> str:
     return f"{type(x).__name__} {text}"
 
 
+# numpy's dtype.name is computed in Python on every access; this is on the per-step path.
+_DTYPE_NAMES = {
+    np.dtype(name): name
+    for name in (
+        "int8",
+        "uint8",
+        "int16",
+        "uint16",
+        "int32",
+        "uint32",
+        "int64",
+        "uint64",
+        "float16",
+        "float32",
+        "float64",
+        "bool",
+    )
+}
+
+
+def dtype_name(dtype: np.dtype) -> str:
+    return _DTYPE_NAMES.get(dtype) or dtype.name
+
+
 def host_array(x: Any, field: str) -> tuple[np.ndarray, str]:
     """numpy view of a numpy array or host tensor, and its dtype name (``bfloat16`` kept)."""
     if isinstance(x, np.ndarray):
-        return x, x.dtype.name
+        return x, _DTYPE_NAMES.get(x.dtype) or x.dtype.name
     if is_tensor(x):
         return tensor_to_numpy(x, field), tensor_dtype_name(x)
     raise FieldTypeError(field, "a numpy array or a torch tensor", describe(x))

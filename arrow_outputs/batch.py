@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from ._checks import describe
+from ._checks import arange_offsets, describe
 from ._jsonish import Dropped, from_jsonable, to_jsonable
 from .errors import (
     ConsistencyError,
@@ -33,7 +33,14 @@ from .logprobs import (
     list_offsets,
 )
 from .masks import decode_sampling_masks, encode_sampling_masks
-from .schema import KEY_STEP, ColumnTypes, column_types, infer_column_types, output_schema
+from .schema import (
+    KEY_STEP,
+    ColumnTypes,
+    check_format,
+    column_types,
+    infer_column_types,
+    output_schema,
+)
 from .tensors import decode_tensor_rows, encode_tensor_rows
 
 __all__ = ["from_record_batch", "step_metadata", "to_record_batch"]
@@ -52,10 +59,59 @@ _EC_FIELDS = ("finished_sending", "finished_recving", "ec_connector_worker_meta"
 _CG_FIELDS = ("num_unpadded_tokens", "num_padded_tokens", "num_paddings", "runtime_mode")
 
 
-@lru_cache(maxsize=256)
-def _nulls(n: int, t: pa.DataType) -> pa.Array:
-    # Absent fields are all-null columns; steps repeat sizes, so they are made once.
-    return pa.nulls(n, t)
+class _Run:
+    """What one run schema implies, computed once: types, column types, metadata, nulls.
+
+    Steps of a run pass the same schema object, so lookups are by identity first.
+    """
+
+    __slots__ = ("column_type", "metadata", "null_columns", "schema", "types")
+
+    def __init__(self, schema: pa.Schema, types: ColumnTypes) -> None:
+        self.schema = schema
+        self.types = types
+        self.column_type = schema.types
+        self.metadata = dict(schema.metadata or {})
+        self.null_columns: dict[int, list[pa.Array]] = {}
+
+    def nulls(self, n: int) -> list[pa.Array]:
+        """All-null columns of ``n`` rows (absent fields); steps repeat sizes."""
+        cols = self.null_columns.get(n)
+        if cols is None:
+            if len(self.null_columns) > 64:
+                self.null_columns.clear()
+            cols = self.null_columns[n] = [pa.nulls(n, t) for t in self.column_type]
+        return cols
+
+
+_RUNS: list[_Run] = []  # most recent first
+
+
+def _run_of(schema: pa.Schema, *, check_metadata: bool) -> _Run:
+    for run in _RUNS:
+        if run.schema is schema:
+            return run
+    for run in _RUNS:
+        if run.schema.equals(schema, check_metadata=check_metadata):
+            return run
+    run = _Run(schema, column_types(schema))
+    _RUNS.insert(0, run)
+    del _RUNS[8:]
+    return run
+
+
+_INFERRED: dict[tuple[ColumnTypes, str], pa.Schema] = {}
+
+
+def _inferred_schema(output: Any, metadata: dict[str, Any] | None) -> pa.Schema:
+    types = infer_column_types(output)
+    key = (types, json.dumps(metadata, sort_keys=True, default=repr))
+    schema = _INFERRED.get(key)
+    if schema is None:
+        if len(_INFERRED) > 64:
+            _INFERRED.clear()
+        schema = _INFERRED[key] = output_schema(types, metadata=metadata)
+    return schema
 
 
 @lru_cache(maxsize=64)
@@ -103,41 +159,43 @@ def _req_id_array(req_ids: list[Any]) -> pa.Array:
         raise FieldTypeError(f"req_ids[{i}]", "a str", describe(req_ids[i])) from None
 
 
-def _sampled(st: Any, n: int, id_type: str) -> tuple[pa.Array, str]:
-    t = pa.list_(pa.int32() if id_type == "int32" else pa.int64())
+def _sampled(st: Any, n: int, id_type: str, null_column: pa.Array) -> tuple[pa.Array, str]:
     if type(st) is not list:
         raise FieldTypeError("sampled_token_ids", "a list of lists of int", describe(st))
     if not st:
         # A pooling step: no sampled ids at all, while requests exist.
-        return _nulls(n, t), "none"
+        return null_column, "none"
     if len(st) != n:
         raise ShapeError("sampled_token_ids", f"{n} lists (one per request) or []", f"{len(st)}")
-    try:
-        lens = np.fromiter(map(len, st), dtype=np.int64, count=n)
-    except TypeError:
+    if list(map(type, st)).count(list) != n:  # the C-level form of all(type(x) is list)
         i = next(i for i, x in enumerate(st) if type(x) is not list)
-        raise FieldTypeError(f"sampled_token_ids[{i}]", "a list of int", describe(st[i])) from None
-    offsets = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(lens, out=offsets[1:])
+        raise FieldTypeError(f"sampled_token_ids[{i}]", "a list of int", describe(st[i]))
+    # np.array infers the dtype, so a float or a str shows up instead of being truncated.
     flat = np.array(list(itertools.chain.from_iterable(st)))
+    if len(flat) == n and all(st):
+        offsets = arange_offsets(n)  # n ids and no list empty: one id each (a decode step)
+    else:
+        lens = np.fromiter(map(len, st), dtype=np.int64, count=n)
+        if lens.sum() > 2**31 - 1:
+            raise ShapeError("sampled_token_ids", "at most 2**31 - 1 ids per step", "more")
+        offsets = np.zeros(n + 1, dtype=np.int32)
+        np.cumsum(lens, out=offsets[1:])
     if flat.size and flat.dtype.kind not in "iu":
         i = next(i for i, x in enumerate(st) if any(type(v) is not int for v in x))
         raise FieldTypeError(f"sampled_token_ids[{i}]", "a list of int", describe(st[i]))
-    info = np.iinfo(_NP_INT[id_type])
-    if flat.size and (flat.min() < info.min or flat.max() > info.max):
-        raise UnsupportedValueError(
-            "sampled_token_ids",
-            f"token ids within {id_type} (the run's id type)",
-            f"values from {flat.min()} to {flat.max()}",
-        )
-    if offsets[-1] > 2**31 - 1:
-        raise ShapeError("sampled_token_ids", "at most 2**31 - 1 ids per step", str(offsets[-1]))
-    values = pa.Array.from_buffers(
-        t.value_type, len(flat), [None, pa.py_buffer(flat.astype(_NP_INT[id_type], copy=False))]
-    )
-    arr = pa.Array.from_buffers(
-        t, n, [None, pa.py_buffer(offsets.astype(np.int32))], children=[values]
-    )
+    np_type = _NP_INT[id_type]
+    if flat.dtype != np_type:
+        info = np.iinfo(np_type)
+        if flat.size and (flat.min() < info.min or flat.max() > info.max):
+            raise UnsupportedValueError(
+                "sampled_token_ids",
+                f"token ids within {id_type} (the run's id type)",
+                f"values from {flat.min()} to {flat.max()}",
+            )
+        flat = flat.astype(np_type)
+    t = null_column.type
+    values = pa.Array.from_buffers(t.value_type, len(flat), [None, pa.py_buffer(flat)])
+    arr = pa.Array.from_buffers(t, n, [None, pa.py_buffer(offsets)], children=[values])
     return arr, "lists"
 
 
@@ -221,28 +279,25 @@ def to_record_batch(
     req_ids = output.req_ids
     n = _check_req_ids(req_ids, output.req_id_to_index)
     if schema is None:
-        types = infer_column_types(output)
-        schema = output_schema(types, metadata=metadata)
-    else:
-        if metadata is not None:
-            raise ConsistencyError(
-                "metadata",
-                "None when a schema is given (run metadata lives in the schema)",
-                "a dict",
-            )
-        types = column_types(schema)
-    fields = schema.types
+        schema = _inferred_schema(output, metadata)
+    elif metadata is not None:
+        raise ConsistencyError(
+            "metadata", "None when a schema is given (run metadata lives in the schema)", "a dict"
+        )
+    run = _run_of(schema, check_metadata=True)
+    types = run.types
+    nulls = run.nulls(n)
     meta: dict[str, Any] = {"step": step}
     dropped: Dropped = []
 
-    step_col = _nulls(n, pa.int64()) if step is None else pa.array(np.full(n, step, dtype=np.int64))
+    step_col = nulls[0] if step is None else pa.array(np.full(n, step, dtype=np.int64))
     sampled, meta["sampled_token_ids"] = _sampled(
-        output.sampled_token_ids, n, types.sampled_token_ids
+        output.sampled_token_ids, n, types.sampled_token_ids, nulls[3]
     )
 
     lp = output.logprobs
     if lp is None:
-        logprobs = _nulls(n, fields[4])
+        logprobs = nulls[4]
         meta["logprobs"] = None
     else:
         logprobs, meta["logprobs"] = encode_logprobs(
@@ -266,7 +321,7 @@ def to_record_batch(
     else:
         if not isinstance(prompt, dict):
             raise FieldTypeError("prompt_logprobs_dict", "a dict", describe(prompt))
-        prompt_arr = _nulls(n, fields[5])
+        prompt_arr = nulls[5]
 
     tid = output.prompt_token_id_logprobs_dict
     if tid:
@@ -282,11 +337,11 @@ def to_record_batch(
     else:
         if not isinstance(tid, dict):
             raise FieldTypeError("prompt_token_id_logprobs_dict", "a dict", describe(tid))
-        tid_arr = _nulls(n, fields[6])
+        tid_arr = nulls[6]
 
     pooler = output.pooler_output
     if pooler is None:
-        pooler_arr = _nulls(n, fields[7])
+        pooler_arr = nulls[7]
         meta["pooler_output"] = None
     else:
         if type(pooler) is not list:
@@ -299,7 +354,7 @@ def to_record_batch(
 
     nans = output.num_nans_in_logits
     if nans is None:
-        nans_arr = _nulls(n, pa.int32())
+        nans_arr = nulls[8]
         meta["num_nans_in_logits"] = None
     else:
         rows, none_rows = _keyed_rows(nans, req_ids, n, "num_nans_in_logits")
@@ -319,17 +374,17 @@ def to_record_batch(
 
     masks = output.sampling_masks
     if masks is None:
-        mask_arr = _nulls(n, fields[9])
+        mask_arr = nulls[9]
         meta["sampling_mask"] = None
     else:
         mask_arr, meta["sampling_mask"] = encode_sampling_masks(masks, "sampling_masks", num_rows=n)
 
     aux = output.aux_output_connector_output
     if aux is None:
-        aux_arr = _nulls(n, fields[10])
+        aux_arr = nulls[10]
         meta["aux_output"] = None
     else:
-        aux_arr, meta["aux_output"] = _encode_aux(aux, req_ids, n, types, fields[10])
+        aux_arr, meta["aux_output"] = _encode_aux(aux, req_ids, n, types, run.column_type[10])
 
     meta["kv_connector_output"] = _step_object(
         output.kv_connector_output, _KV_FIELDS, "kv_connector_output", opaque, dropped
@@ -356,7 +411,7 @@ def to_record_batch(
         mask_arr,
         aux_arr,
     ]
-    run_meta = dict(schema.metadata or {})
+    run_meta = run.metadata.copy()
     run_meta[KEY_STEP] = json.dumps(meta, separators=(",", ":")).encode()
     return pa.RecordBatch.from_arrays(arrays, schema=schema.with_metadata(run_meta))
 
@@ -458,7 +513,9 @@ def from_record_batch(
 
     if not isinstance(batch, pa.RecordBatch):
         raise FieldTypeError("batch", "a pyarrow.RecordBatch", describe(batch))
-    types = column_types(batch.schema)
+    schema = batch.schema
+    check_format(schema)  # every batch: the run cache below ignores metadata
+    types = _run_of(schema, check_metadata=False).types
     meta = step_metadata(batch, custom_metadata)
     if validate:
         try:
@@ -466,57 +523,57 @@ def from_record_batch(
         except pa.ArrowInvalid as e:
             raise SchemaMismatchError("batch", "a valid Arrow record batch", str(e)) from e
     n = batch.num_rows
-    cols = batch.columns
+    column = batch.column
 
-    req_ids = cols[1].to_numpy(zero_copy_only=False).tolist() if n else []
-    index = cols[2].to_numpy().tolist()
+    req_ids = column(1).to_numpy(zero_copy_only=False).tolist() if n else []
+    index = column(2).to_numpy().tolist()
     req_id_to_index = dict(zip(req_ids, index))
 
     sampled_mode = meta.get("sampled_token_ids")
-    if sampled_mode == "none" or (sampled_mode is None and n and cols[3].null_count == n):
+    if sampled_mode == "none" or (sampled_mode is None and n and column(3).null_count == n):
         sampled: list[Any] = []  # a pooling step
     else:
-        sampled = _decode_sampled(cols[3])
+        sampled = _decode_sampled(column(3))
 
-    lp_layout = _layout(meta, "logprobs", cols[4])
-    logprobs = None if lp_layout is None else decode_logprobs(cols[4], lp_layout, "logprobs")
+    lp_layout = _layout(meta, "logprobs", column(4))
+    logprobs = None if lp_layout is None else decode_logprobs(column(4), lp_layout, "logprobs")
 
     prompt: dict[str, Any] = {}
-    prompt_layout = _layout(meta, "prompt_logprobs", cols[5])
+    prompt_layout = _layout(meta, "prompt_logprobs", column(5))
     if prompt_layout is not None:
-        entries = decode_prompt_logprobs(cols[5], prompt_layout, "prompt_logprobs")
+        entries = decode_prompt_logprobs(column(5), prompt_layout, "prompt_logprobs")
         none_rows = set(prompt_layout.get("none_rows", ()))
         prompt = {req_ids[i]: e for i, e in enumerate(entries) if e is not None or i in none_rows}
 
     tid: dict[str, Any] = {}
-    tid_kind = _layout(meta, "prompt_token_id_logprobs", cols[6], "torch")
+    tid_kind = _layout(meta, "prompt_token_id_logprobs", column(6), "torch")
     if tid_kind is not None:
         rows = decode_tensor_rows(
-            cols[6], types.prompt_token_id_logprobs, tid_kind, "prompt_token_id_logprobs"
+            column(6), types.prompt_token_id_logprobs, tid_kind, "prompt_token_id_logprobs"
         )
         tid = {req_ids[i]: r for i, r in enumerate(rows) if r is not None}
 
-    pooler_kind = _layout(meta, "pooler_output", cols[7], "torch")
+    pooler_kind = _layout(meta, "pooler_output", column(7), "torch")
     pooler = (
         None
         if pooler_kind is None
-        else decode_tensor_rows(cols[7], types.pooler_output, pooler_kind, "pooler_output")
+        else decode_tensor_rows(column(7), types.pooler_output, pooler_kind, "pooler_output")
     )
 
     nans = None
-    if _layout(meta, "num_nans_in_logits", cols[8], "dict") is not None:
-        values = cols[8].to_pylist()
+    if _layout(meta, "num_nans_in_logits", column(8), "dict") is not None:
+        values = column(8).to_pylist()
         nans = {req_ids[i]: v for i, v in enumerate(values) if v is not None}
 
-    mask_layout = _layout(meta, "sampling_mask", cols[9])
+    mask_layout = _layout(meta, "sampling_mask", column(9))
     masks = (
         None
         if mask_layout is None
-        else decode_sampling_masks(cols[9], mask_layout, "sampling_mask")
+        else decode_sampling_masks(column(9), mask_layout, "sampling_mask")
     )
 
-    aux_layout = _layout(meta, "aux_output", cols[10])
-    aux = None if aux_layout is None else _decode_aux(cols[10], req_ids, types, aux_layout)
+    aux_layout = _layout(meta, "aux_output", column(10))
+    aux = None if aux_layout is None else _decode_aux(column(10), req_ids, types, aux_layout)
 
     kv = meta.get("kv_connector_output")
     ec = meta.get("ec_connector_output")

@@ -206,14 +206,8 @@ def check_format(schema: pa.Schema) -> None:
         )
 
 
-_TYPES_CACHE: dict[pa.Schema, ColumnTypes] = {}
-
-
 def column_types(schema: pa.Schema) -> ColumnTypes:
     """The :class:`ColumnTypes` of a schema of this format; refuses any other schema."""
-    cached = _TYPES_CACHE.get(schema)
-    if cached is not None:
-        return cached
     check_format(schema)
     if tuple(schema.names) != COLUMNS:
         raise SchemaMismatchError("schema", f"columns {list(COLUMNS)}", str(schema.names))
@@ -258,9 +252,6 @@ def column_types(schema: pa.Schema) -> ColumnTypes:
     for want, got in zip(expected, schema):
         if not want.equals(got, check_metadata=True):
             raise SchemaMismatchError(want.name, str(want.type), str(got.type))
-    if len(_TYPES_CACHE) > 256:
-        _TYPES_CACHE.clear()
-    _TYPES_CACHE[schema] = types
     return types
 
 

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from ._checks import check_dtype, describe, host_array
+from ._checks import check_dtype, describe, dtype_name, host_array
 from ._torch import is_tensor, numpy_to_tensor, tensor_dtype_name
 from .errors import DTypeError, FieldTypeError, OffsetsError, SchemaMismatchError, ShapeError
 
@@ -123,7 +123,7 @@ def _row_facts(row: Any, field: str) -> tuple[int, int, bool, str, tuple[int, ..
             row.__array_interface__["data"][0],
             row.nbytes,
             row.flags.c_contiguous,
-            row.dtype.name,
+            dtype_name(row.dtype),
             row.shape,
         )
     raise FieldTypeError(field, "a torch tensor, a numpy array or None", describe(row))
