@@ -14,7 +14,13 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from .batch import from_record_batch, step_metadata, to_record_batch
+from .batch import (
+    from_record_batch,
+    run_schema,
+    step_custom_metadata,
+    step_metadata,
+    to_record_batch,
+)
 from .errors import (
     ArrowOutputsError,
     ConsistencyError,
@@ -91,8 +97,10 @@ __all__ = [
     "make_empty_encoder_model_runner_output",
     "output_schema",
     "run_metadata",
+    "run_schema",
     "sampling_masks_from_arrow",
     "sampling_masks_to_arrow",
+    "step_custom_metadata",
     "step_metadata",
     "to_record_batch",
 ]

@@ -61,6 +61,12 @@ def host_array(x: Any, field: str) -> tuple[np.ndarray, str]:
     raise FieldTypeError(field, "a numpy array or a torch tensor", describe(x))
 
 
+def row_label(field: str, i: int, keys: Sequence[Any] | None = None) -> str:
+    """``field['req-7']`` for dicts keyed by request id, else ``field[7]``. Build it only when
+    raising: it is per row."""
+    return f"{field}[{keys[i]!r}]" if keys is not None else f"{field}[{i}]"
+
+
 def check_dtype(dtype: str, allowed: Sequence[str], field: str) -> None:
     if dtype not in allowed:
         raise DTypeError(field, " or ".join(allowed), dtype)
@@ -83,6 +89,9 @@ def offsets_from_list(values: Any, field: str, *, last: int, what: str) -> np.nd
     """
     if not isinstance(values, (list, tuple)):
         raise FieldTypeError(field, "a list of ints or None", describe(values))
+    if list(map(type, values)).count(int) != len(values):
+        bad = next(v for v in values if type(v) is not int)
+        raise FieldTypeError(field, "a list of ints", f"{describe(bad)} among them")
     try:
         arr = np.array(values, dtype=np.int64)
     except (TypeError, ValueError, OverflowError) as e:
@@ -102,13 +111,26 @@ def check_offsets(arr: np.ndarray, field: str, *, last: int, what: str) -> None:
             f"{len(arr)} offsets ending at {last} (the number of {what})",
             f"{len(arr)} ending at {arr[-1]}",
         )
-    if len(arr) > 1 and (np.diff(arr) < 0).any():
-        i = int(np.argmax(np.diff(arr) < 0))
-        raise OffsetsError(
-            field, "non-decreasing offsets", f"{arr[i]} followed by {arr[i + 1]} at index {i}"
-        )
+    check_monotonic(arr, field)
     if last > INT32_MAX:
         raise OffsetsError(field, f"at most {INT32_MAX} {what}", str(last))
+
+
+def check_monotonic(offsets: np.ndarray, field: str, *, limit: int | None = None) -> None:
+    """Offsets never decrease (and, with ``limit``, stay within ``0..limit``)."""
+    if len(offsets) > 1:
+        down = np.diff(offsets) < 0
+        if down.any():
+            i = int(np.argmax(down))
+            raise OffsetsError(
+                field,
+                "non-decreasing offsets",
+                f"{offsets[i]} followed by {offsets[i + 1]} at index {i}",
+            )
+    if limit is not None and len(offsets) and (offsets[0] < 0 or offsets[-1] > limit):
+        raise OffsetsError(
+            field, f"offsets within 0..{limit}", f"offsets from {offsets[0]} to {offsets[-1]}"
+        )
 
 
 @lru_cache(maxsize=64)

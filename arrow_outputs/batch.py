@@ -72,6 +72,8 @@ class _Run:
         self.types = types
         self.column_type = schema.types
         self.metadata = dict(schema.metadata or {})
+        # A batch's schema may be passed as a run schema: its step key is that step's, not ours.
+        self.metadata.pop(KEY_STEP, None)
         self.null_columns: dict[int, list[pa.Array]] = {}
 
     def nulls(self, n: int) -> list[pa.Array]:
@@ -137,14 +139,16 @@ def _check_req_ids(req_ids: Any, index: Any) -> int:
     # req_ids has no duplicates (dict keys are unique).
     if list(index) == req_ids and list(index.values()) == _range_list(n):
         return n
+    if len(set(req_ids)) != n:
+        seen: set[str] = set()
+        dup = next(r for r in req_ids if r in seen or seen.add(r))  # type: ignore[func-returns-value]
+        raise ConsistencyError("req_ids", "unique request ids", f"{dup!r} twice")
     if len(index) != n:
         raise ConsistencyError(
             "req_id_to_index", f"{n} entries (one per req_id)", f"{len(index)} entries"
         )
     for i, rid in enumerate(req_ids):
         if index.get(rid) != i:
-            if req_ids.index(rid) != i:
-                raise ConsistencyError("req_ids", "unique request ids", f"{rid!r} twice")
             raise ConsistencyError(
                 f"req_id_to_index[{rid!r}]", f"{i} (its position in req_ids)", repr(index.get(rid))
             )
@@ -170,19 +174,26 @@ def _sampled(st: Any, n: int, id_type: str, null_column: pa.Array) -> tuple[pa.A
     if list(map(type, st)).count(list) != n:  # the C-level form of all(type(x) is list)
         i = next(i for i, x in enumerate(st) if type(x) is not list)
         raise FieldTypeError(f"sampled_token_ids[{i}]", "a list of int", describe(st[i]))
-    # np.array infers the dtype, so a float or a str shows up instead of being truncated.
-    flat = np.array(list(itertools.chain.from_iterable(st)))
+    flat_list = list(itertools.chain.from_iterable(st))
+    # Exactly int: a float would be truncated and a bool stored as 1 otherwise.
+    if list(map(type, flat_list)).count(int) != len(flat_list):
+        i = next(i for i, x in enumerate(st) if any(type(v) is not int for v in x))
+        raise FieldTypeError(f"sampled_token_ids[{i}]", "a list of int", describe(st[i]))
+    try:
+        flat = np.array(flat_list, dtype=np.int64)
+    except OverflowError:
+        big = max(flat_list, key=abs)
+        raise UnsupportedValueError(
+            "sampled_token_ids", f"token ids within {id_type} (the run's id type)", str(big)
+        ) from None
     if len(flat) == n and all(st):
         offsets = arange_offsets(n)  # n ids and no list empty: one id each (a decode step)
     else:
         lens = np.fromiter(map(len, st), dtype=np.int64, count=n)
         if lens.sum() > 2**31 - 1:
-            raise ShapeError("sampled_token_ids", "at most 2**31 - 1 ids per step", "more")
+            raise ShapeError("sampled_token_ids", "at most 2**31 - 1 ids per step", str(lens.sum()))
         offsets = np.zeros(n + 1, dtype=np.int32)
         np.cumsum(lens, out=offsets[1:])
-    if flat.size and flat.dtype.kind not in "iu":
-        i = next(i for i, x in enumerate(st) if any(type(v) is not int for v in x))
-        raise FieldTypeError(f"sampled_token_ids[{i}]", "a list of int", describe(st[i]))
     np_type = _NP_INT[id_type]
     if flat.dtype != np_type:
         info = np.iinfo(np_type)
@@ -287,7 +298,8 @@ def to_record_batch(
     run = _run_of(schema, check_metadata=True)
     types = run.types
     nulls = run.nulls(n)
-    meta: dict[str, Any] = {"step": step}
+    # "rows" lets a reader notice step metadata that belongs to another batch.
+    meta: dict[str, Any] = {"step": step, "rows": n}
     dropped: Dropped = []
 
     step_col = nulls[0] if step is None else pa.array(np.full(n, step, dtype=np.int64))
@@ -314,6 +326,7 @@ def to_record_batch(
         prompt_arr, layout = encode_prompt_logprobs(
             rows,
             "prompt_logprobs_dict",
+            keys=req_ids,
             id_type=types.prompt_logprob_token_ids,
             rank_type=types.prompt_logprob_ranks,
         )
@@ -331,7 +344,7 @@ def to_record_batch(
                 f"prompt_token_id_logprobs_dict[{req_ids[none_rows[0]]!r}]", "a tensor", "None"
             )
         tid_arr, kind = encode_tensor_rows(
-            rows, types.prompt_token_id_logprobs, "prompt_token_id_logprobs_dict"
+            rows, types.prompt_token_id_logprobs, "prompt_token_id_logprobs_dict", req_ids
         )
         meta["prompt_token_id_logprobs"] = kind
     else:
@@ -451,7 +464,9 @@ def _encode_aux(
             raise FieldTypeError(f"{f}.rows", "a 3-D uint8/uint16 array", "None")
         starts[i] = r.token_start
         tensors.append(r.rows)
-    rows_arr, kind = encode_tensor_rows(tensors, types.aux_rows, "aux_output_connector_output")
+    rows_arr, kind = encode_tensor_rows(
+        tensors, types.aux_rows, "aux_output_connector_output", req_ids
+    )
     valid = np.fromiter((t is not None for t in tensors), dtype=bool, count=n)
     validity = None if valid.all() else pa.py_buffer(np.packbits(valid, bitorder="little"))
     start_arr = pa.array(starts)
@@ -460,6 +475,50 @@ def _encode_aux(
 
 
 # ----------------------------------------------------------------------------- decode
+
+
+def run_schema(batch_or_schema: pa.RecordBatch | pa.Schema) -> pa.Schema:
+    """The run's schema: a batch's schema without its step metadata.
+
+    Open IPC writers with it; per-step metadata then travels with each batch
+    (:func:`step_custom_metadata`), never in the stream's one schema message.
+
+    Examples
+    --------
+    >>> from arrow_outputs.outputs import ModelRunnerOutput
+    >>> batch = to_record_batch(ModelRunnerOutput(["a"], {"a": 0}, [[1]]), step=0)
+    >>> b"arrow_outputs.step" in run_schema(batch).metadata
+    False
+    """
+    schema = getattr(batch_or_schema, "schema", batch_or_schema)
+    meta = dict(schema.metadata or {})
+    meta.pop(KEY_STEP, None)
+    return schema.with_metadata(meta)
+
+
+def step_custom_metadata(batch: pa.RecordBatch) -> dict[bytes, bytes]:
+    """The IPC custom metadata that carries a batch's step metadata through a stream or file.
+
+    Examples
+    --------
+    >>> import pyarrow as pa
+    >>> from arrow_outputs.outputs import ModelRunnerOutput
+    >>> batch = to_record_batch(ModelRunnerOutput(["a"], {"a": 0}, [[1]]), step=4)
+    >>> sink = pa.BufferOutputStream()
+    >>> with pa.ipc.new_stream(sink, run_schema(batch)) as writer:
+    ...     writer.write_batch(batch, custom_metadata=step_custom_metadata(batch))
+    >>> read, meta = pa.ipc.open_stream(sink.getvalue()).read_next_batch_with_custom_metadata()
+    >>> step_metadata(read, meta)["step"]
+    4
+    """
+    raw = (batch.schema.metadata or {}).get(KEY_STEP)
+    if raw is None:
+        raise SchemaMismatchError(
+            "batch.schema.metadata",
+            "an arrow_outputs.step key (a batch of to_record_batch)",
+            "no such key",
+        )
+    return {KEY_STEP: raw}
 
 
 def step_metadata(batch: pa.RecordBatch, custom_metadata: Any = None) -> dict[str, Any]:
@@ -482,6 +541,19 @@ def step_metadata(batch: pa.RecordBatch, custom_metadata: Any = None) -> dict[st
     if not isinstance(meta, dict):
         raise SchemaMismatchError(
             "schema.metadata[arrow_outputs.step]", "a JSON object", type(meta).__name__
+        )
+    rows, step = meta.get("rows", batch.num_rows), meta.get("step")
+    stale = rows != batch.num_rows
+    if not stale and step is not None and rows:
+        first = batch.column(0)[0].as_py()
+        stale = first is not None and first != step
+    if stale:
+        raise SchemaMismatchError(
+            "arrow_outputs.step",
+            f"this batch's step metadata ({batch.num_rows} rows); IPC streams and files carry "
+            "it as each batch's custom metadata (step_custom_metadata, "
+            "read_next_batch_with_custom_metadata / get_batch_with_custom_metadata)",
+            f"the metadata of another batch ({rows} rows, step {step})",
         )
     return meta
 

@@ -24,6 +24,7 @@ import pyarrow as pa
 from ._checks import (
     arange_offsets,
     check_dtype,
+    check_monotonic,
     check_ndim,
     contiguous,
     describe,
@@ -31,6 +32,7 @@ from ._checks import (
     host_array,
     is_arange,
     offsets_from_list,
+    row_label,
 )
 from ._torch import as_tensor, numpy_to_tensor
 from .errors import (
@@ -218,6 +220,11 @@ def logprobs_to_arrow(x: Any) -> pa.ListArray:
     return encode_logprobs(x)[0]
 
 
+def _head(a: np.ndarray, k: int = 8) -> str:
+    """The first values of an array, for messages."""
+    return str(a[:k].tolist())[:-1] + (", ...]" if len(a) > k else "]")
+
+
 def _check_no_nulls(arr: pa.Array, field: str) -> None:
     if arr.null_count:
         raise SchemaMismatchError(field, "no null entries", f"{arr.null_count} nulls")
@@ -226,6 +233,8 @@ def _check_no_nulls(arr: pa.Array, field: str) -> None:
 def _check_logprobs_type(arr: pa.Array, field: str) -> tuple[str, str]:
     t = arr.type
     try:
+        if not (pa.types.is_list(t) and pa.types.is_struct(t.value_type)):
+            raise TypeError(str(t))
         st = t.value_type
         tok, lp, rank = st.field("token_ids").type, st.field("logprobs").type, st.field("rank").type
         ids_dt, rank_dt = tok.value_type.to_pandas_dtype().__name__, rank.to_pandas_dtype().__name__
@@ -237,7 +246,7 @@ def _check_logprobs_type(arr: pa.Array, field: str) -> tuple[str, str]:
             and ids_dt in INT_TYPES
             and rank_dt in INT_TYPES
         )
-    except (AttributeError, KeyError, NotImplementedError):
+    except (AttributeError, KeyError, NotImplementedError, TypeError):
         ok = False
     if not ok:
         raise SchemaMismatchError(field, str(logprobs_type()).replace("int64", "ID|RANK"), str(t))
@@ -297,9 +306,8 @@ def decode_positions(
             raise ShapeError(f"{field}.token_ids", f"{width} logprobs per position", str(w))
     else:
         w = width or 0
+    check_monotonic(tok_off, f"{field}.token_ids", limit=min(len(tok_vals), len(lp_vals)))
     lo, hi = int(tok_off[0]), int(tok_off[-1])
-    if lo < 0 or hi > len(tok_vals) or hi > len(lp_vals):
-        raise OffsetsError(f"{field}.token_ids", f"offsets within {len(tok_vals)} values", str(hi))
     ids = _flat_values(tok_vals)[lo:hi].reshape(num, w)
     lps = _flat_values(lp_vals)[lo:hi].reshape(num, w)
     ranks = _flat_values(rank)[p0:p1]
@@ -313,14 +321,17 @@ def decode_logprobs(arr: pa.Array, layout: dict[str, Any], field: str = "logprob
     _check_logprobs_type(arr, field)
     _check_no_nulls(arr, field)
     outer, struct = _list_parts(arr)
+    check_monotonic(outer, field, limit=len(struct))
     p0, p1 = int(outer[0]), int(outer[-1])
-    if p0 < 0 or p1 > len(struct) or p1 < p0:
-        raise OffsetsError(field, f"offsets within {len(struct)} positions", f"{p0}..{p1}")
     ids, lps, ranks = decode_positions(struct, p0, p1, field, layout.get("width"))
     cu_mode = layout.get("cu", "list")
     if cu_mode == "none":
         if not is_arange(outer):
-            raise OffsetsError(field, "one position per request (cu is None)", "more")
+            raise OffsetsError(
+                field,
+                "one position per request (cu_num_generated_tokens is None)",
+                f"offsets {_head(outer)}",
+            )
         cu_list: list[int] = []
     else:
         cu_list = (outer - p0).tolist()
@@ -380,6 +391,7 @@ def encode_prompt_logprobs(
     *,
     id_type: str | None = None,
     rank_type: str | None = None,
+    keys: list[Any] | None = None,
 ) -> tuple[pa.ListArray, dict[str, Any]]:
     """One list element per request from per-request ``LogprobsTensors`` (None -> null).
 
@@ -392,7 +404,7 @@ def encode_prompt_logprobs(
         if entry is None:
             counts.append(0)
             continue
-        f = f"{field}[{i}]"
+        f = row_label(field, i, keys)
         kind, ids, lps, ranks = _matrices(entry, f, id_type, rank_type)
         if kind != "tensors":
             raise FieldTypeError(f, "a LogprobsTensors (torch)", "a LogprobsLists")
@@ -425,7 +437,9 @@ def encode_prompt_logprobs(
         ranks_flat = np.empty(0, dtype=rank_type)
         inner64 = np.zeros(1, dtype=np.int64)
     if inner64[-1] > 2**31 - 1 or len(inner64) > 2**31 - 1:
-        raise OffsetsError(field, "at most 2**31 - 1 prompt logprob values per step", "more")
+        raise OffsetsError(
+            field, "at most 2**31 - 1 prompt logprob values per step", str(int(inner64[-1]))
+        )
     num_pos = len(inner64) - 1
     struct = _positions(ids_flat, lps_flat, ranks_flat, inner64.astype(np.int32), num_pos)
     outer = np.zeros(len(entries) + 1, dtype=np.int32)
@@ -446,8 +460,7 @@ def decode_prompt_logprobs(arr: pa.Array, layout: dict[str, Any], field: str) ->
 
     _check_logprobs_type(arr, field)
     outer, struct = _list_parts(arr)
-    if outer[-1] > len(struct) or (np.diff(outer) < 0).any():
-        raise OffsetsError(field, f"non-decreasing offsets within {len(struct)} positions", "not")
+    check_monotonic(outer, field, limit=len(struct))
     valid = arr.is_valid().to_numpy(zero_copy_only=False) if arr.null_count else None
     widths = layout.get("empty_widths", {})
     out: list[Any] = []

@@ -20,13 +20,14 @@ import pyarrow as pa
 from ._checks import (
     arange_offsets,
     check_dtype,
+    check_monotonic,
     check_ndim,
     check_offsets,
     describe,
     host_array,
     offsets_from_list,
 )
-from .errors import FieldTypeError, OffsetsError, SchemaMismatchError, ShapeError
+from .errors import FieldTypeError, SchemaMismatchError, ShapeError
 from .logprobs import list_offsets
 
 __all__ = ["SAMPLING_MASK_TYPE", "sampling_masks_from_arrow", "sampling_masks_to_arrow"]
@@ -111,14 +112,12 @@ def decode_sampling_masks(arr: pa.Array, layout: dict[str, Any], field: str) -> 
     inner_arr = arr.values
     if inner_arr.null_count:
         raise SchemaMismatchError(f"{field} positions", "no nulls", f"{inner_arr.null_count}")
+    check_monotonic(outer, field, limit=len(inner_arr))
     p0, p1 = int(outer[0]), int(outer[-1])
-    if p1 > len(inner_arr) or (np.diff(outer) < 0).any():
-        raise OffsetsError(field, f"non-decreasing offsets within {len(inner_arr)}", "not")
     csr = list_offsets(inner_arr, np.int64)[p0 : p1 + 1]
     values = inner_arr.values
+    check_monotonic(csr, f"{field}.offsets", limit=len(values))
     lo, hi = int(csr[0]), int(csr[-1])
-    if lo < 0 or hi > len(values) + values.offset or (np.diff(csr) < 0).any():
-        raise OffsetsError(f"{field}.offsets", f"non-decreasing within {len(values)}", "not")
     buf = values.buffers()[1]
     token_ids = np.frombuffer(buf, np.int32, count=values.offset + hi)[values.offset + lo :]
     # Rebase only when the array was sliced: a copy then, since offsets must start at 0.

@@ -263,22 +263,27 @@ def infer_column_types(output: Any) -> ColumnTypes:
         ranks = getattr(lp, "sampled_token_ranks", getattr(lp, "selected_token_ranks", None))
         kw["logprob_token_ids"] = _int_dtype(lp.logprob_token_ids)
         kw["logprob_ranks"] = _int_dtype(ranks)
-    prompt = getattr(output, "prompt_logprobs_dict", None) or {}
-    first = next((v for v in prompt.values() if v is not None), None)
+    prompt = _mapping_values(getattr(output, "prompt_logprobs_dict", None))
+    first = next((v for v in prompt if v is not None), None)
     if first is not None and hasattr(first, "logprob_token_ids"):
         kw["prompt_logprob_token_ids"] = _int_dtype(first.logprob_token_ids)
         kw["prompt_logprob_ranks"] = _int_dtype(getattr(first, "selected_token_ranks", None))
-    tid = getattr(output, "prompt_token_id_logprobs_dict", None) or {}
+    tid = _mapping_values(getattr(output, "prompt_token_id_logprobs_dict", None))
     if tid:
-        kw["prompt_token_id_logprobs"] = _infer(list(tid.values()), 2, fixed=False)
+        kw["prompt_token_id_logprobs"] = _infer(tid, 2, fixed=False)
     pooler = getattr(output, "pooler_output", None)
     if isinstance(pooler, list) and any(r is not None for r in pooler):
         kw["pooler_output"] = _infer(pooler, 1, fixed=True)
-    aux = getattr(output, "aux_output_connector_output", None)
+    aux = _mapping_values(getattr(output, "aux_output_connector_output", None))
     if aux:
-        rows = [getattr(v, "rows", None) for v in aux.values()]
-        kw["aux_rows"] = _infer(rows, 3, fixed=False)
+        kw["aux_rows"] = _infer([getattr(v, "rows", None) for v in aux], 3, fixed=False)
     return ColumnTypes(**kw)
+
+
+def _mapping_values(x: Any) -> list[Any]:
+    """Values of a mapping; [] for anything else (the encoder reports wrong kinds)."""
+    values = getattr(x, "values", None)
+    return list(values()) if callable(values) and hasattr(x, "items") else []
 
 
 def _int_dtype(x: Any) -> str:

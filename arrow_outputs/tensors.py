@@ -17,6 +17,7 @@ outputs) the values buffer is that memory itself: no copy.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from functools import cache
@@ -25,7 +26,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from ._checks import check_dtype, describe, dtype_name, host_array
+from ._checks import check_dtype, check_monotonic, describe, dtype_name, host_array, row_label
 from ._torch import is_tensor, numpy_to_tensor, tensor_dtype_name
 from .errors import DTypeError, FieldTypeError, OffsetsError, SchemaMismatchError, ShapeError
 
@@ -104,13 +105,18 @@ def _arrow_type(spec: TensorSpec) -> pa.DataType:
     )
 
 
-def _row_facts(row: Any, field: str) -> tuple[int, int, bool, str, tuple[int, ...]]:
-    """(address, nbytes, contiguous, dtype name, shape) without copying."""
+def _row_facts(row: Any, field: Any) -> tuple[int, int, bool, str, tuple[int, ...]]:
+    """(address, nbytes, contiguous, dtype name, shape) without copying.
+
+    ``field`` is the row's label, or a zero-argument callable making it (only on error).
+    """
     if is_tensor(row):
         if row.device.type != "cpu":
             from .errors import UnsupportedValueError
 
-            raise UnsupportedValueError(field, "a host (CPU) tensor", f"a tensor on {row.device}")
+            raise UnsupportedValueError(
+                _text(field), "a host (CPU) tensor", f"a tensor on {row.device}"
+            )
         return (
             row.data_ptr(),
             row.numel() * row.element_size(),
@@ -126,7 +132,11 @@ def _row_facts(row: Any, field: str) -> tuple[int, int, bool, str, tuple[int, ..
             dtype_name(row.dtype),
             row.shape,
         )
-    raise FieldTypeError(field, "a torch tensor, a numpy array or None", describe(row))
+    raise FieldTypeError(_text(field), "a torch tensor, a numpy array or None", describe(row))
+
+
+def _text(label: Any) -> str:
+    return label() if callable(label) else label
 
 
 def _validity(valid: np.ndarray) -> pa.Buffer | None:
@@ -144,7 +154,9 @@ def infer_spec(rows: list[Any], field: str, *, ndim: int, fixed: bool) -> Tensor
     return TensorSpec(dtype, len(shape), shape if fixed and uniform else None)
 
 
-def encode_tensor_rows(rows: list[Any], spec: TensorSpec, field: str) -> tuple[pa.Array, str]:
+def encode_tensor_rows(
+    rows: list[Any], spec: TensorSpec, field: str, keys: list[Any] | None = None
+) -> tuple[pa.Array, str]:
     """Rows (tensor / array / None) -> one Arrow array of ``spec``'s type, and the rows' kind
     (``"torch"`` or ``"numpy"``) so they come back as they went in."""
     n = len(rows)
@@ -155,15 +167,16 @@ def encode_tensor_rows(rows: list[Any], spec: TensorSpec, field: str) -> tuple[p
         if r is None:
             facts.append(None)
             continue
-        f = _row_facts(r, f"{field}[{i}]")
+        label = functools.partial(row_label, field, i, keys)
+        f = _row_facts(r, label)
         kinds.add("torch" if is_tensor(r) else "numpy")
         if f[3] != spec.dtype:
-            raise DTypeError(f"{field}[{i}]", f"{spec.dtype} (the run's tensor dtype)", f[3])
+            raise DTypeError(label(), f"{spec.dtype} (the run's tensor dtype)", f[3])
         if len(f[4]) != spec.ndim:
-            raise ShapeError(f"{field}[{i}]", f"a {spec.ndim}-D tensor", f"shape {f[4]}")
+            raise ShapeError(label(), f"a {spec.ndim}-D tensor", f"shape {f[4]}")
         if spec.shape is not None and f[4] != spec.shape:
             raise ShapeError(
-                f"{field}[{i}]", f"shape {spec.shape} (the run's fixed shape)", f"shape {f[4]}"
+                label(), f"shape {spec.shape} (the run's fixed shape)", f"shape {f[4]}"
             )
         facts.append(f)
     if len(kinds) > 1:
@@ -262,8 +275,9 @@ def decode_tensor_rows(arr: pa.Array, spec: TensorSpec, kind: str, field: str) -
         return rows if valid is None else [r if v else None for r, v in zip(rows, valid)]
     data, shape_arr = arr.field(0), arr.field(1)
     offs = np.frombuffer(data.buffers()[1], np.int32)[data.offset : data.offset + n + 1]
-    if len(offs) != n + 1 or (n and (np.diff(offs) < 0).any()):
-        raise OffsetsError(f"{field}.data", "non-decreasing offsets", "not")
+    if len(offs) != n + 1:
+        raise OffsetsError(f"{field}.data", f"{n + 1} offsets", str(len(offs)))
+    check_monotonic(offs, f"{field}.data", limit=len(data.values))
     vals = data.values
     flat = _view(vals, np_dtype, vals.offset + int(offs[0]), int(offs[-1] - offs[0]), field)
     shapes = _view(
