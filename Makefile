@@ -20,8 +20,8 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check arrow_outputs tests benchmarks
-	$(VENV)/bin/ruff format --check arrow_outputs tests benchmarks
+	$(VENV)/bin/ruff check arrow_outputs tests benchmarks notebooks/execute.py
+	$(VENV)/bin/ruff format --check arrow_outputs tests benchmarks notebooks/execute.py
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
