@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections import Counter
 from functools import lru_cache
 from typing import Any
 
@@ -140,8 +141,7 @@ def _check_req_ids(req_ids: Any, index: Any) -> int:
     if list(index) == req_ids and list(index.values()) == _range_list(n):
         return n
     if len(set(req_ids)) != n:
-        seen: set[str] = set()
-        dup = next(r for r in req_ids if r in seen or seen.add(r))  # type: ignore[func-returns-value]
+        dup = next(r for r, count in Counter(req_ids).items() if count > 1)
         raise ConsistencyError("req_ids", "unique request ids", f"{dup!r} twice")
     if len(index) != n:
         raise ConsistencyError(
