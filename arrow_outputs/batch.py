@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from ._checks import arange_offsets, describe
+from ._checks import arange_offsets, check_monotonic, describe, is_arange
 from ._jsonish import Dropped, from_jsonable, to_jsonable
 from .errors import (
     ConsistencyError,
@@ -46,6 +46,7 @@ from .tensors import decode_tensor_rows, encode_tensor_rows
 
 __all__ = ["from_record_batch", "step_metadata", "to_record_batch"]
 
+_JSON = json.JSONEncoder(separators=(",", ":"))  # one encoder: no per-call setup
 _NP_INT = {"int32": np.int32, "int64": np.int64}
 _KV_FIELDS = (
     "finished_sending",
@@ -425,7 +426,7 @@ def to_record_batch(
         aux_arr,
     ]
     run_meta = run.metadata.copy()
-    run_meta[KEY_STEP] = json.dumps(meta, separators=(",", ":")).encode()
+    run_meta[KEY_STEP] = _JSON.encode(meta).encode()
     return pa.RecordBatch.from_arrays(arrays, schema=schema.with_metadata(run_meta))
 
 
@@ -598,34 +599,39 @@ def from_record_batch(
     column = batch.column
 
     req_ids = column(1).to_numpy(zero_copy_only=False).tolist() if n else []
-    index = column(2).to_numpy().tolist()
-    req_id_to_index = dict(zip(req_ids, index))
+    index = column(2).to_numpy()
+    # The writer's index column is 0..n-1; a cheap byte compare proves it and skips tolist.
+    req_id_to_index = dict(zip(req_ids, range(n) if is_arange_values(index) else index.tolist()))
 
     sampled_mode = meta.get("sampled_token_ids")
     if sampled_mode == "none" or (sampled_mode is None and n and column(3).null_count == n):
         sampled: list[Any] = []  # a pooling step
     else:
-        sampled = _decode_sampled(column(3))
+        sampled = _decode_sampled(column(3), validate)
 
-    lp_layout = _layout(meta, "logprobs", column(4))
-    logprobs = None if lp_layout is None else decode_logprobs(column(4), lp_layout, "logprobs")
+    lp_layout = _layout(meta, "logprobs", batch, 4)
+    logprobs = (
+        None
+        if lp_layout is None
+        else decode_logprobs(column(4), lp_layout, "logprobs", validated=validate)
+    )
 
     prompt: dict[str, Any] = {}
-    prompt_layout = _layout(meta, "prompt_logprobs", column(5))
+    prompt_layout = _layout(meta, "prompt_logprobs", batch, 5)
     if prompt_layout is not None:
         entries = decode_prompt_logprobs(column(5), prompt_layout, "prompt_logprobs")
         none_rows = set(prompt_layout.get("none_rows", ()))
         prompt = {req_ids[i]: e for i, e in enumerate(entries) if e is not None or i in none_rows}
 
     tid: dict[str, Any] = {}
-    tid_kind = _layout(meta, "prompt_token_id_logprobs", column(6), "torch")
+    tid_kind = _layout(meta, "prompt_token_id_logprobs", batch, 6, "torch")
     if tid_kind is not None:
         rows = decode_tensor_rows(
             column(6), types.prompt_token_id_logprobs, tid_kind, "prompt_token_id_logprobs"
         )
         tid = {req_ids[i]: r for i, r in enumerate(rows) if r is not None}
 
-    pooler_kind = _layout(meta, "pooler_output", column(7), "torch")
+    pooler_kind = _layout(meta, "pooler_output", batch, 7, "torch")
     pooler = (
         None
         if pooler_kind is None
@@ -633,18 +639,18 @@ def from_record_batch(
     )
 
     nans = None
-    if _layout(meta, "num_nans_in_logits", column(8), "dict") is not None:
+    if _layout(meta, "num_nans_in_logits", batch, 8, "dict") is not None:
         values = column(8).to_pylist()
         nans = {req_ids[i]: v for i, v in enumerate(values) if v is not None}
 
-    mask_layout = _layout(meta, "sampling_mask", column(9))
+    mask_layout = _layout(meta, "sampling_mask", batch, 9)
     masks = (
         None
         if mask_layout is None
         else decode_sampling_masks(column(9), mask_layout, "sampling_mask")
     )
 
-    aux_layout = _layout(meta, "aux_output", column(10))
+    aux_layout = _layout(meta, "aux_output", batch, 10)
     aux = None if aux_layout is None else _decode_aux(column(10), req_ids, types, aux_layout)
 
     kv = meta.get("kv_connector_output")
@@ -673,16 +679,24 @@ def from_record_batch(
     )
 
 
-def _layout(meta: dict[str, Any], key: str, col: pa.Array, default: Any = None) -> Any:
+def _layout(
+    meta: dict[str, Any], key: str, batch: pa.RecordBatch, i: int, default: Any = None
+) -> Any:
     """A field's layout facts: from the step metadata, else read off the column's nulls."""
     if key in meta:
         return meta[key]
+    col = batch.column(i)
     if col.null_count < len(col):
         return {} if default is None else default
     return None
 
 
-def _decode_sampled(col: pa.Array) -> list[list[int]]:
+def is_arange_values(values: np.ndarray) -> bool:
+    """True for ``[0, 1, ..., n-1]``."""
+    return len(values) == 0 or (values.dtype == np.int32 and is_arange(values))
+
+
+def _decode_sampled(col: pa.Array, validated: bool) -> list[list[int]]:
     if col.null_count:
         raise SchemaMismatchError(
             "sampled_token_ids",
@@ -690,12 +704,14 @@ def _decode_sampled(col: pa.Array) -> list[list[int]]:
             f"{col.null_count} nulls of {len(col)}",
         )
     offs = list_offsets(col, np.int32)
+    if not validated:
+        check_monotonic(offs, "sampled_token_ids", limit=len(col.values))
     lo, hi = int(offs[0]), int(offs[-1])
     values = col.values.to_numpy()[lo:hi]
     n = len(col)
-    if n and hi - lo == n * (int(offs[1]) - lo) and (np.diff(offs) == offs[1] - lo).all():
+    if n and is_arange(offs, int(offs[1]) - lo):
         # Uniform lengths (every decode step without speculation): one C-level tolist.
-        return values.reshape(n, -1).tolist() if n else []
+        return values.reshape(n, -1).tolist()
     flat = values.tolist()
     bounds = (offs - lo).tolist()
     return [flat[a:b] for a, b in itertools.pairwise(bounds)]

@@ -253,9 +253,25 @@ def _check_logprobs_type(arr: pa.Array, field: str) -> tuple[str, str]:
     return ids_dt, rank_dt
 
 
+_NUMPY_OF_ARROW = {
+    t.id: np.dtype(t.to_pandas_dtype())
+    for t in (
+        pa.int8(),
+        pa.uint8(),
+        pa.int16(),
+        pa.uint16(),
+        pa.int32(),
+        pa.int64(),
+        pa.float16(),
+        pa.float32(),
+        pa.float64(),
+    )
+}
+
+
 def _flat_values(child: pa.Array) -> np.ndarray:
     """numpy view of a primitive array's values, its slice offset applied (zero-copy)."""
-    dtype = np.dtype(child.type.to_pandas_dtype())
+    dtype = _NUMPY_OF_ARROW[child.type.id]
     buf = child.buffers()[1]
     end = child.offset + len(child)
     if buf is None or buf.size < end * dtype.itemsize:
@@ -279,9 +295,18 @@ def list_offsets(arr: pa.Array, dtype: type) -> np.ndarray:
 
 
 def decode_positions(
-    struct: pa.StructArray, p0: int, p1: int, field: str, width: int | None
+    struct: pa.StructArray,
+    p0: int,
+    p1: int,
+    field: str,
+    width: int | None,
+    validated: bool = False,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Positions ``p0:p1`` of a logprobs struct array as (ids [P, W], logprobs, ranks)."""
+    """Positions ``p0:p1`` of a logprobs struct array as (ids [P, W], logprobs, ranks).
+
+    ``validated``: the batch passed ``validate(full=True)``, which already proved offsets
+    monotonic and in bounds; only what Arrow cannot know (rectangular rows) is checked.
+    """
     tok, lp, rank = struct.field(0), struct.field(1), struct.field(2)
     _check_no_nulls(struct, f"{field} positions")
     for child, name in ((tok, "token_ids"), (lp, "logprobs"), (rank, "rank")):
@@ -306,7 +331,8 @@ def decode_positions(
             raise ShapeError(f"{field}.token_ids", f"{width} logprobs per position", str(w))
     else:
         w = width or 0
-    check_monotonic(tok_off, f"{field}.token_ids", limit=min(len(tok_vals), len(lp_vals)))
+    if not validated:
+        check_monotonic(tok_off, f"{field}.token_ids", limit=min(len(tok_vals), len(lp_vals)))
     lo, hi = int(tok_off[0]), int(tok_off[-1])
     ids = _flat_values(tok_vals)[lo:hi].reshape(num, w)
     lps = _flat_values(lp_vals)[lo:hi].reshape(num, w)
@@ -314,16 +340,24 @@ def decode_positions(
     return ids, lps, ranks
 
 
-def decode_logprobs(arr: pa.Array, layout: dict[str, Any], field: str = "logprobs") -> Any:
-    """Inverse of :func:`encode_logprobs` given its layout facts."""
+def decode_logprobs(
+    arr: pa.Array, layout: dict[str, Any], field: str = "logprobs", validated: bool = False
+) -> Any:
+    """Inverse of :func:`encode_logprobs` given its layout facts.
+
+    ``validated``: the array's type was checked against the run schema and its buffers by
+    ``validate(full=True)`` (the record-batch path); the standalone path checks here.
+    """
     from .outputs import LogprobsLists, LogprobsTensors
 
-    _check_logprobs_type(arr, field)
+    if not validated:
+        _check_logprobs_type(arr, field)
     _check_no_nulls(arr, field)
     outer, struct = _list_parts(arr)
-    check_monotonic(outer, field, limit=len(struct))
+    if not validated:
+        check_monotonic(outer, field, limit=len(struct))
     p0, p1 = int(outer[0]), int(outer[-1])
-    ids, lps, ranks = decode_positions(struct, p0, p1, field, layout.get("width"))
+    ids, lps, ranks = decode_positions(struct, p0, p1, field, layout.get("width"), validated)
     cu_mode = layout.get("cu", "list")
     if cu_mode == "none":
         if not is_arange(outer):
