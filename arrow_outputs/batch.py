@@ -91,17 +91,36 @@ class _Run:
 _RUNS: list[_Run] = []  # most recent first
 
 
-def _run_of(schema: pa.Schema, *, check_metadata: bool) -> _Run:
+def _run_of(schema: pa.Schema) -> _Run:
     for run in _RUNS:
         if run.schema is schema:
             return run
     for run in _RUNS:
-        if run.schema.equals(schema, check_metadata=check_metadata):
+        if run.schema.equals(schema, check_metadata=True):
             return run
     run = _Run(schema, column_types(schema))
     _RUNS.insert(0, run)
     del _RUNS[8:]
     return run
+
+
+_DECODE: list[tuple[pa.Schema, ColumnTypes]] = []  # most recent first
+
+
+def _decode_types(schema: pa.Schema) -> ColumnTypes:
+    """The column types of a batch's schema, cached across the batches of a run.
+
+    The key drops the schema-level metadata (its step key changes every batch) but keeps the
+    field metadata (``arrow_outputs.dtype`` tells bfloat16 from uint16).
+    """
+    key = schema.remove_metadata()
+    for cached, types in _DECODE:
+        if cached.equals(key, check_metadata=True):
+            return types
+    types = column_types(schema)
+    _DECODE.insert(0, (key, types))
+    del _DECODE[8:]
+    return types
 
 
 _INFERRED: dict[tuple[ColumnTypes, str], pa.Schema] = {}
@@ -288,6 +307,8 @@ def to_record_batch(
             raise FieldTypeError("output", "a ModelRunnerOutput", describe(output))
     if step is not None and type(step) is not int:
         raise FieldTypeError("step", "an int or None", describe(step))
+    if step is not None and not -(2**63) <= step < 2**63:
+        raise UnsupportedValueError("step", "a step number within int64", str(step))
     req_ids = output.req_ids
     n = _check_req_ids(req_ids, output.req_id_to_index)
     if schema is None:
@@ -296,7 +317,7 @@ def to_record_batch(
         raise ConsistencyError(
             "metadata", "None when a schema is given (run metadata lives in the schema)", "a dict"
         )
-    run = _run_of(schema, check_metadata=True)
+    run = _run_of(schema)
     types = run.types
     nulls = run.nulls(n)
     # "rows" lets a reader notice step metadata that belongs to another batch.
@@ -588,7 +609,7 @@ def from_record_batch(
         raise FieldTypeError("batch", "a pyarrow.RecordBatch", describe(batch))
     schema = batch.schema
     check_format(schema)  # every batch: the run cache below ignores metadata
-    types = _run_of(schema, check_metadata=False).types
+    types = _decode_types(schema)
     meta = step_metadata(batch, custom_metadata)
     if validate:
         try:

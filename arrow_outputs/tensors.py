@@ -65,6 +65,9 @@ class TensorSpec:
     ndim: int = 1
     shape: tuple[int, ...] | None = None
 
+    def __post_init__(self) -> None:
+        check_dtype(self.dtype, tuple(TENSOR_DTYPES), "TensorSpec.dtype")
+
     def arrow_type(self) -> pa.DataType:
         return _arrow_type(self)
 
@@ -170,6 +173,7 @@ def encode_tensor_rows(
         label = functools.partial(row_label, field, i, keys)
         f = _row_facts(r, label)
         kinds.add("torch" if is_tensor(r) else "numpy")
+        check_dtype(f[3], tuple(TENSOR_DTYPES), label())
         if f[3] != spec.dtype:
             raise DTypeError(label(), f"{spec.dtype} (the run's tensor dtype)", f[3])
         if len(f[4]) != spec.ndim:
