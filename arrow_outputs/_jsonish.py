@@ -18,11 +18,13 @@ import math
 import warnings
 from typing import Any
 
+import numpy as np
+
 from .errors import OpaqueValueWarning, UnsupportedValueError
 
 __all__ = ["Dropped", "from_jsonable", "to_jsonable"]
 
-_TAGS = ("$set", "$frozenset", "$tuple", "$bytes", "$float", "$dict")
+_TAGS = ("$set", "$frozenset", "$tuple", "$bytes", "$float", "$numpy", "$dict")
 
 Dropped = list[dict[str, str]]
 
@@ -48,6 +50,12 @@ def to_jsonable(x: Any, field: str, opaque: str, dropped: Dropped) -> Any:
         return {"$set" if t is set else "$frozenset": items}
     if t is bytes:
         return {"$bytes": base64.b64encode(x).decode()}
+    if isinstance(x, (np.integer, np.floating, np.bool_)):
+        # numpy scalars (block ids from an array, say): kept with their dtype.
+        value = x.item()
+        if type(value) is float and not math.isfinite(value):
+            value = repr(value)
+        return {"$numpy": [x.dtype.name, value]}
     if t is dict:
         if all(type(k) is str and not k.startswith("$") for k in x):
             return {k: to_jsonable(v, f"{field}.{k}", opaque, dropped) for k, v in x.items()}
@@ -96,6 +104,9 @@ def from_jsonable(x: Any) -> Any:
             return base64.b64decode(v)
         if tag == "$float":
             return float(v)
+        if tag == "$numpy":
+            dtype, value = v
+            return np.dtype(dtype).type(float(value) if type(value) is str else value)
         if tag == "$dict":
             return {from_jsonable(k): from_jsonable(val) for k, val in v}
     return {k: from_jsonable(v) for k, v in x.items()}

@@ -585,8 +585,10 @@ def from_record_batch(
 ) -> Any:
     """A record batch made by :func:`to_record_batch` back into a ``ModelRunnerOutput``.
 
-    Arrays and tensors are read-only views of the batch's buffers (zero-copy); Python
-    lists are made where vLLM has lists.
+    Arrays and tensors are views of the batch's buffers (zero-copy): read-only when the
+    batch came from IPC, and to be treated as read-only always, since they share memory with
+    the batch (and, in memory, with the producer's arrays). Python lists are made where vLLM
+    has lists.
 
     Parameters
     ----------

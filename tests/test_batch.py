@@ -1284,3 +1284,14 @@ def test_import_arrow_outputs_does_not_import_torch() -> None:
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "False"
     assert arrow_outputs.__name__ == "arrow_outputs"
+
+
+def test_to_record_batch_numpy_scalars_in_connector_output_kept():
+    kv = KVConnectorOutput(
+        invalid_block_ids={np.int64(3), 4}, kv_connector_stats={"n": np.float32(1.5)}
+    )
+    out = ModelRunnerOutput(["a"], {"a": 0}, [[1]], kv_connector_output=kv)
+    back = from_record_batch(to_record_batch(out))  # no OpaqueValueWarning (warnings are errors)
+    assert back.kv_connector_output.invalid_block_ids == {3, 4}
+    assert {type(v) for v in back.kv_connector_output.invalid_block_ids} == {np.int64, int}
+    assert type(back.kv_connector_output.kv_connector_stats["n"]) is np.float32
