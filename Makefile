@@ -30,7 +30,7 @@ unit: $(STAMP)
 	$(PY) -m pytest
 
 docs: $(STAMP)
-	$(VENV)/bin/mkdocs build --strict --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 notebooks: $(STAMP)
 	$(PY) notebooks/execute.py notebooks

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from ._checks import arange_offsets, check_monotonic, describe, is_arange
+from ._checks import arange_offsets, describe, is_arange
 from ._jsonish import Dropped, from_jsonable, to_jsonable
 from .errors import (
     ConsistencyError,
@@ -598,7 +598,8 @@ def from_record_batch(
         The batch's IPC custom metadata, when step metadata travelled there.
     validate
         Run ``batch.validate(full=True)`` first: batches from elsewhere are untrusted, and
-        only full validation catches bad offsets.
+        only full validation catches bad offsets. ``False`` is for batches this process
+        made itself: the checks that full validation makes are then skipped, not redone.
     """
     from .outputs import (
         CUDAGraphStat,
@@ -630,13 +631,13 @@ def from_record_batch(
     if sampled_mode == "none" or (sampled_mode is None and n and column(3).null_count == n):
         sampled: list[Any] = []  # a pooling step
     else:
-        sampled = _decode_sampled(column(3), validate)
+        sampled = _decode_sampled(column(3))
 
     lp_layout = _layout(meta, "logprobs", batch, 4)
     logprobs = (
         None
         if lp_layout is None
-        else decode_logprobs(column(4), lp_layout, "logprobs", validated=validate)
+        else decode_logprobs(column(4), lp_layout, "logprobs", validated=True)
     )
 
     prompt: dict[str, Any] = {}
@@ -719,16 +720,14 @@ def is_arange_values(values: np.ndarray) -> bool:
     return len(values) == 0 or (values.dtype == np.int32 and is_arange(values))
 
 
-def _decode_sampled(col: pa.Array, validated: bool) -> list[list[int]]:
+def _decode_sampled(col: pa.Array) -> list[list[int]]:
     if col.null_count:
         raise SchemaMismatchError(
             "sampled_token_ids",
             "no nulls, or nulls in every row (a pooling step)",
             f"{col.null_count} nulls of {len(col)}",
         )
-    offs = list_offsets(col, np.int32)
-    if not validated:
-        check_monotonic(offs, "sampled_token_ids", limit=len(col.values))
+    offs = list_offsets(col, np.int32)  # monotonic and in bounds: validated (or trusted)
     lo, hi = int(offs[0]), int(offs[-1])
     values = col.values.to_numpy()[lo:hi]
     n = len(col)
