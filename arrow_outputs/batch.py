@@ -44,7 +44,13 @@ from .schema import (
 )
 from .tensors import decode_tensor_rows, encode_tensor_rows
 
-__all__ = ["from_record_batch", "step_metadata", "to_record_batch"]
+__all__ = [
+    "from_record_batch",
+    "run_schema",
+    "step_custom_metadata",
+    "step_metadata",
+    "to_record_batch",
+]
 
 _JSON = json.JSONEncoder(separators=(",", ":"))  # one encoder: no per-call setup
 _NP_INT = {"int32": np.int32, "int64": np.int64}

@@ -46,6 +46,7 @@ __all__ = ["logprobs_from_arrow", "logprobs_to_arrow", "logprobs_type"]
 
 INT_TYPES = ("int32", "int64")
 ARROW_INT = {"int32": pa.int32(), "int64": pa.int64()}
+INT_NAMES = {t: name for name, t in ARROW_INT.items()}
 
 
 @cache
@@ -237,7 +238,8 @@ def _check_logprobs_type(arr: pa.Array, field: str) -> tuple[str, str]:
             raise TypeError(str(t))
         st = t.value_type
         tok, lp, rank = st.field("token_ids").type, st.field("logprobs").type, st.field("rank").type
-        ids_dt, rank_dt = tok.value_type.to_pandas_dtype().__name__, rank.to_pandas_dtype().__name__
+        ids_dt = INT_NAMES.get(tok.value_type, "")
+        rank_dt = INT_NAMES.get(rank, "")
         ok = (
             pa.types.is_list(t)
             and len(st) == 3
@@ -253,18 +255,19 @@ def _check_logprobs_type(arr: pa.Array, field: str) -> tuple[str, str]:
     return ids_dt, rank_dt
 
 
+# Explicit: DataType.to_pandas_dtype() imports pandas, which is not a dependency.
 _NUMPY_OF_ARROW = {
-    t.id: np.dtype(t.to_pandas_dtype())
-    for t in (
-        pa.int8(),
-        pa.uint8(),
-        pa.int16(),
-        pa.uint16(),
-        pa.int32(),
-        pa.int64(),
-        pa.float16(),
-        pa.float32(),
-        pa.float64(),
+    t.id: np.dtype(name)
+    for t, name in (
+        (pa.int8(), "int8"),
+        (pa.uint8(), "uint8"),
+        (pa.int16(), "int16"),
+        (pa.uint16(), "uint16"),
+        (pa.int32(), "int32"),
+        (pa.int64(), "int64"),
+        (pa.float16(), "float16"),
+        (pa.float32(), "float32"),
+        (pa.float64(), "float64"),
     )
 }
 
