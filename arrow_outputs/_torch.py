@@ -7,11 +7,15 @@ so bfloat16 crosses as its uint16 bit pattern and is viewed back on the way out.
 from __future__ import annotations
 
 import sys
+import warnings
 from typing import Any
 
 import numpy as np
 
 from .errors import DTypeError, UnsupportedValueError
+
+# numpy 2.1 added DLPack 1.0 exports, which carry a read-only flag.
+_READONLY_DLPACK = np.lib.NumpyVersion(np.__version__) >= "2.1.0"
 
 __all__ = ["is_tensor", "numpy_to_tensor", "tensor_dtype_name", "tensor_to_numpy"]
 
@@ -51,9 +55,20 @@ def numpy_to_tensor(a: np.ndarray, dtype: str) -> Any:
     """
     import torch
 
+    base = a.view(np.uint16) if dtype == "bfloat16" else a
+    if a.flags.writeable or _READONLY_DLPACK:
+        t = torch.from_dlpack(base)
+    else:
+        # numpy < 2.1 cannot mark an export read-only over DLPack, so it refuses to export;
+        # torch.from_numpy shares the memory but warns that it is not writable. The tensor is
+        # read-only by contract (see from_record_batch), so that one warning is expected.
+        with warnings.catch_warnings():
+            warnings.filterwarnings(
+                "ignore", message="The given NumPy array is not writable", category=UserWarning
+            )
+            t = torch.from_numpy(base)
     if dtype == "bfloat16":
-        return torch.from_dlpack(a.view(np.uint16)).view(torch.bfloat16)
-    t = torch.from_dlpack(a)
+        return t.view(torch.bfloat16)
     if tensor_dtype_name(t) != dtype:
         raise DTypeError("tensor", dtype, tensor_dtype_name(t))
     return t

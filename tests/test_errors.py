@@ -127,7 +127,9 @@ def _with_column(name: str, arr: pa.Array) -> pa.RecordBatch:
 
 def _without_column(name: str) -> pa.RecordBatch:
     b = _batch()
-    return b.drop_columns([name]).replace_schema_metadata(b.schema.metadata)
+    keep = [i for i, field in enumerate(b.schema) if field.name != name]
+    schema = pa.schema([b.schema.field(i) for i in keep], metadata=b.schema.metadata)
+    return pa.RecordBatch.from_arrays([b.column(i) for i in keep], schema=schema)
 
 
 def _corrupt_offsets(name: str, offsets: list[int]) -> pa.RecordBatch:
@@ -1007,7 +1009,7 @@ FROM_RECORD_BATCH = [
     ),
     case(
         "plain-batch-without-metadata",
-        lambda: ao.from_record_batch(pa.record_batch({"x": [1, 2]})),
+        lambda: ao.from_record_batch(pa.record_batch([pa.array([1, 2])], names=["x"])),
         SchemaMismatchError,
         "schema.metadata[arrow_outputs.format]",
         "'arrow_outputs.model_runner_output'",
@@ -1016,7 +1018,9 @@ FROM_RECORD_BATCH = [
     case(
         "other-format-name",
         lambda: ao.from_record_batch(
-            pa.record_batch({"x": [1]}).replace_schema_metadata({"arrow_outputs.format": "other"})
+            pa.record_batch([pa.array([1])], names=["x"]).replace_schema_metadata(
+                {"arrow_outputs.format": "other"}
+            )
         ),
         SchemaMismatchError,
         "schema.metadata[arrow_outputs.format]",
