@@ -236,13 +236,15 @@ def _sampled(st: Any, n: int, id_type: str, null_column: pa.Array) -> tuple[pa.A
     return arr, "lists"
 
 
-def _keyed_rows(d: Any, req_ids: list[str], n: int, field: str) -> tuple[list[Any], list[int]]:
-    """Per-row values of a req_id-keyed dict (missing -> None) and rows present with None."""
+def _keyed_rows(d: Any, index: dict[str, int], n: int, field: str) -> tuple[list[Any], list[int]]:
+    """Per-row values of a req_id-keyed dict (missing -> None) and rows present with None.
+
+    ``index`` is the step's ``req_id_to_index``, already proven to map req_ids[i] to i.
+    """
     if not isinstance(d, dict):
         raise FieldTypeError(field, "a dict keyed by request id", describe(d))
     rows: list[Any] = [None] * n
     none_rows: list[int] = []
-    index = _row_index(req_ids)
     for key, value in d.items():
         i = index.get(key)
         if i is None:
@@ -251,10 +253,6 @@ def _keyed_rows(d: Any, req_ids: list[str], n: int, field: str) -> tuple[list[An
         if value is None:
             none_rows.append(i)
     return rows, none_rows
-
-
-def _row_index(req_ids: list[str]) -> dict[str, int]:
-    return {r: i for i, r in enumerate(req_ids)}
 
 
 def _step_object(
@@ -316,7 +314,8 @@ def to_record_batch(
     if step is not None and not -(2**63) <= step < 2**63:
         raise UnsupportedValueError("step", "a step number within int64", str(step))
     req_ids = output.req_ids
-    n = _check_req_ids(req_ids, output.req_id_to_index)
+    index = output.req_id_to_index
+    n = _check_req_ids(req_ids, index)
     if schema is None:
         schema = _inferred_schema(output, metadata)
     elif metadata is not None:
@@ -350,7 +349,7 @@ def to_record_batch(
 
     prompt = output.prompt_logprobs_dict
     if prompt:
-        rows, none_rows = _keyed_rows(prompt, req_ids, n, "prompt_logprobs_dict")
+        rows, none_rows = _keyed_rows(prompt, index, n, "prompt_logprobs_dict")
         prompt_arr, layout = encode_prompt_logprobs(
             rows,
             "prompt_logprobs_dict",
@@ -366,7 +365,7 @@ def to_record_batch(
 
     tid = output.prompt_token_id_logprobs_dict
     if tid:
-        rows, none_rows = _keyed_rows(tid, req_ids, n, "prompt_token_id_logprobs_dict")
+        rows, none_rows = _keyed_rows(tid, index, n, "prompt_token_id_logprobs_dict")
         if none_rows:
             raise FieldTypeError(
                 f"prompt_token_id_logprobs_dict[{req_ids[none_rows[0]]!r}]", "a tensor", "None"
@@ -398,7 +397,7 @@ def to_record_batch(
         nans_arr = nulls[8]
         meta["num_nans_in_logits"] = None
     else:
-        rows, none_rows = _keyed_rows(nans, req_ids, n, "num_nans_in_logits")
+        rows, none_rows = _keyed_rows(nans, index, n, "num_nans_in_logits")
         bad = [i for i, v in enumerate(rows) if v is not None and type(v) is not int]
         if none_rows or bad:
             i = (none_rows + bad)[0]
@@ -425,7 +424,7 @@ def to_record_batch(
         aux_arr = nulls[10]
         meta["aux_output"] = None
     else:
-        aux_arr, meta["aux_output"] = _encode_aux(aux, req_ids, n, types, run.column_type[10])
+        aux_arr, meta["aux_output"] = _encode_aux(aux, req_ids, index, types, run.column_type[10])
 
     meta["kv_connector_output"] = _step_object(
         output.kv_connector_output, _KV_FIELDS, "kv_connector_output", opaque, dropped
@@ -458,8 +457,9 @@ def to_record_batch(
 
 
 def _encode_aux(
-    aux: Any, req_ids: list[str], n: int, types: ColumnTypes, aux_type: pa.DataType
+    aux: Any, req_ids: list[str], index: dict[str, int], types: ColumnTypes, aux_type: pa.DataType
 ) -> tuple[pa.Array, Any]:
+    n = len(req_ids)
     items = getattr(aux, "items", None)
     if items is None:
         raise FieldTypeError(
@@ -467,7 +467,7 @@ def _encode_aux(
             "a mapping of request id to AuxRequestOutput",
             describe(aux),
         )
-    rows, none_rows = _keyed_rows(dict(items()), req_ids, n, "aux_output_connector_output")
+    rows, none_rows = _keyed_rows(dict(items()), index, n, "aux_output_connector_output")
     if none_rows:
         raise FieldTypeError(
             f"aux_output_connector_output[{req_ids[none_rows[0]]!r}]", "an AuxRequestOutput", "None"
@@ -631,7 +631,7 @@ def from_record_batch(
     req_ids = column(1).to_numpy(zero_copy_only=False).tolist() if n else []
     index = column(2).to_numpy()
     # The writer's index column is 0..n-1; a cheap byte compare proves it and skips tolist.
-    req_id_to_index = dict(zip(req_ids, range(n) if is_arange_values(index) else index.tolist()))
+    req_id_to_index = dict(zip(req_ids, range(n) if _is_arange_values(index) else index.tolist()))
 
     sampled_mode = meta.get("sampled_token_ids")
     if sampled_mode == "none" or (sampled_mode is None and n and column(3).null_count == n):
@@ -721,7 +721,7 @@ def _layout(
     return None
 
 
-def is_arange_values(values: np.ndarray) -> bool:
+def _is_arange_values(values: np.ndarray) -> bool:
     """True for ``[0, 1, ..., n-1]``."""
     return len(values) == 0 or (values.dtype == np.int32 and is_arange(values))
 

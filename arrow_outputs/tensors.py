@@ -314,10 +314,6 @@ def _view(child: pa.Array, dtype: np.dtype, start: int, count: int, field: str) 
     return np.frombuffer(buf, dtype=dtype, count=start + count)[start:]
 
 
-def check_spec_dtype(dtype: str, field: str) -> None:
-    check_dtype(dtype, tuple(TENSOR_DTYPES), field)
-
-
 def _numpy_dtype(dtype: str) -> np.dtype:
     """numpy's dtype for a tensor dtype name (bfloat16 -> its uint16 bit patterns)."""
     return _NUMPY_OF[dtype] if dtype in _NUMPY_OF else np.dtype(dtype)
