@@ -31,6 +31,7 @@ from .errors import (
     OpaqueValueWarning,
     SchemaMismatchError,
     ShapeError,
+    StepMetadataError,
     UnsupportedValueError,
 )
 from .logprobs import logprobs_from_arrow, logprobs_to_arrow
@@ -50,6 +51,7 @@ from .outputs import (
     SamplingMaskLists,
     make_empty_encoder_model_runner_output,
 )
+from .records import Record
 from .schema import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -82,10 +84,12 @@ __all__ = [
     "ModelRunnerOutput",
     "OffsetsError",
     "OpaqueValueWarning",
+    "Record",
     "SamplerOutput",
     "SamplingMaskLists",
     "SchemaMismatchError",
     "ShapeError",
+    "StepMetadataError",
     "TensorSpec",
     "UnsupportedValueError",
     "__version__",

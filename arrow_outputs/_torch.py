@@ -78,4 +78,5 @@ def as_tensor(values: list[int], dtype: str) -> Any:
     """A small tensor built from Python ints (offsets that lived on device)."""
     import torch
 
-    return torch.tensor(values, dtype=getattr(torch, dtype))
+    # An explicit table: a dtype name from a file never reaches getattr(torch, ...).
+    return torch.tensor(values, dtype={"int32": torch.int32, "int64": torch.int64}[dtype])

@@ -2,21 +2,29 @@
 
 Per-request data goes into columns (see ``docs/schema.md``). What a column cannot say
 (``None`` vs ``{}``, whether ``cu_num_generated_tokens`` was given, the connector outputs
-and CUDA-graph stats of the step, the step number of a 0-row step) goes into the JSON value
-of the ``arrow_outputs.step`` metadata key, so every step round-trips exactly.
+and CUDA-graph stats of the step, the step number of a 0-row step) goes into the step JSON,
+so every step round-trips exactly. The JSON rides in the batch's schema metadata in memory
+and in each message's custom metadata in IPC; :mod:`arrow_outputs._stepmeta` decides whose
+it is.
+
+The codec is one table, :data:`_CODECS`: each column's encoder, decoder, step JSON key and
+output field. Adding a vLLM field is a change in one place.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 from collections import Counter
+from collections.abc import Callable, Iterable
 from functools import lru_cache
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
 
+from . import _stepmeta
 from ._checks import arange_offsets, describe, is_arange
 from ._jsonish import Dropped, from_jsonable, to_jsonable
 from .errors import (
@@ -24,6 +32,7 @@ from .errors import (
     FieldTypeError,
     SchemaMismatchError,
     ShapeError,
+    StepMetadataError,
     UnsupportedValueError,
 )
 from .logprobs import (
@@ -34,7 +43,16 @@ from .logprobs import (
     list_offsets,
 )
 from .masks import decode_sampling_masks, encode_sampling_masks
+from .outputs import (
+    AuxRequestOutput,
+    CUDAGraphStat,
+    ECConnectorOutput,
+    KVConnectorOutput,
+    ModelRunnerOutput,
+)
+from .records import allow_list, rebuild
 from .schema import (
+    COLUMNS,
     KEY_STEP,
     ColumnTypes,
     check_format,
@@ -54,43 +72,64 @@ __all__ = [
 
 _JSON = json.JSONEncoder(separators=(",", ":"))  # one encoder: no per-call setup
 _NP_INT = {"int32": np.int32, "int64": np.int64}
-_KV_FIELDS = (
-    "finished_sending",
-    "finished_recving",
-    "kv_connector_stats",
-    "kv_cache_events",
-    "kv_connector_worker_meta",
-    "invalid_block_ids",
-    "expected_finished_count",
+MISSING_POLICIES = ("error", "defaults")
+
+
+def _declared(cls: type) -> dict[str, Any]:
+    """Field name -> default (``dataclasses.MISSING`` when required), in declaration order."""
+    out = {}
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
+        else:
+            out[f.name] = dataclasses.MISSING
+    return out
+
+
+# The step-level classes, their fields and defaults: objects of other vLLM versions that lack
+# a newer field get its default; a field we do not know is refused (never dropped).
+_STEP_CLASSES: dict[str, type] = {
+    "kv_connector_output": KVConnectorOutput,
+    "ec_connector_output": ECConnectorOutput,
+    "cudagraph_stats": CUDAGraphStat,
+}
+_FIELDS: dict[type, dict[str, Any]] = {
+    cls: _declared(cls) for cls in (ModelRunnerOutput, *_STEP_CLASSES.values())
+}
+_SPEC = _stepmeta.step_spec(
+    tuple(_FIELDS[KVConnectorOutput]),
+    tuple(_FIELDS[ECConnectorOutput]),
+    tuple(_FIELDS[CUDAGraphStat]),
 )
-_EC_FIELDS = ("finished_sending", "finished_recving", "ec_connector_worker_meta")
-_CG_FIELDS = ("num_unpadded_tokens", "num_padded_tokens", "num_paddings", "runtime_mode")
+
+
+# ----------------------------------------------------------------------------- run caches
 
 
 class _Run:
-    """What one run schema implies, computed once: types, column types, metadata, nulls.
+    """What one run schema implies, computed once: types, metadata, all-null columns."""
 
-    Steps of a run pass the same schema object, so lookups are by identity first.
-    """
-
-    __slots__ = ("column_type", "metadata", "null_columns", "schema", "types")
+    __slots__ = ("metadata", "null_columns", "schema", "types")
 
     def __init__(self, schema: pa.Schema, types: ColumnTypes) -> None:
         self.schema = schema
         self.types = types
-        self.column_type = schema.types
         self.metadata = dict(schema.metadata or {})
         # A batch's schema may be passed as a run schema: its step key is that step's, not ours.
         self.metadata.pop(KEY_STEP, None)
-        self.null_columns: dict[int, list[pa.Array]] = {}
+        self.null_columns: dict[int, dict[str, pa.Array]] = {}
 
-    def nulls(self, n: int) -> list[pa.Array]:
-        """All-null columns of ``n`` rows (absent fields); steps repeat sizes."""
+    def nulls(self, n: int) -> dict[str, pa.Array]:
+        """All-null columns of ``n`` rows by name (absent fields); steps repeat sizes."""
         cols = self.null_columns.get(n)
         if cols is None:
             if len(self.null_columns) > 64:
                 self.null_columns.clear()
-            cols = self.null_columns[n] = [pa.nulls(n, t) for t in self.column_type]
+            cols = self.null_columns[n] = {
+                name: pa.nulls(n, t) for name, t in zip(self.schema.names, self.schema.types)
+            }
         return cols
 
 
@@ -134,6 +173,8 @@ _INFERRED: dict[tuple[ColumnTypes, str], pa.Schema] = {}
 
 def _inferred_schema(output: Any, metadata: dict[str, Any] | None) -> pa.Schema:
     types = infer_column_types(output)
+    if metadata is not None and not isinstance(metadata, dict):
+        raise FieldTypeError("metadata", "a dict of JSON-serialisable values", describe(metadata))
     key = (types, json.dumps(metadata, sort_keys=True, default=repr))
     schema = _INFERRED.get(key)
     if schema is None:
@@ -153,7 +194,69 @@ def _range_list(n: int) -> list[int]:
     return list(range(n))
 
 
+@lru_cache(maxsize=64)
+def _no_valid_bits(n: int) -> pa.Buffer:
+    return pa.py_buffer(np.zeros((n + 7) // 8, dtype=np.uint8))
+
+
 # ----------------------------------------------------------------------------- encode
+
+
+class _Enc(NamedTuple):
+    """What every column encoder gets for one step."""
+
+    output: Any
+    req_ids: list[str]
+    req_id_to_index: dict[str, int]
+    n: int
+    types: ColumnTypes
+    nulls: dict[str, pa.Array]
+
+
+def _get(obj: Any, name: str, cls: type) -> Any:
+    """``obj.name``, or the field's default when an older vLLM's object lacks it."""
+    default = _FIELDS[cls][name]
+    if default is dataclasses.MISSING:
+        if not hasattr(obj, name):
+            raise FieldTypeError(
+                cls.__name__, f"an object with {', '.join(_FIELDS[cls])}", describe(obj)
+            )
+        return getattr(obj, name)
+    return getattr(obj, name, default)
+
+
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _field_names(obj: Any) -> Iterable[str]:
+    """The public fields an object declares (dataclass, NamedTuple) or holds (``__dict__``)."""
+    t = type(obj)
+    names = _FIELD_NAMES.get(t)
+    if names is not None:
+        return names
+    if dataclasses.is_dataclass(obj):
+        names = tuple(f.name for f in dataclasses.fields(obj))
+    elif isinstance(obj, tuple) and isinstance(getattr(t, "_fields", None), tuple):
+        names = t._fields
+    else:
+        return [k for k in getattr(obj, "__dict__", ()) if not k.startswith("_")]
+    _FIELD_NAMES[t] = names
+    return names
+
+
+def _refuse_unknown_fields(obj: Any, cls: type, path: str) -> None:
+    """A field the format does not know is refused by name, never dropped (None is no data)."""
+    if type(obj) is cls:
+        return
+    known = _FIELDS[cls]
+    for name in _field_names(obj):
+        if name not in known and getattr(obj, name, None) is not None:
+            raise UnsupportedValueError(
+                f"{path}.{name}",
+                f"only the fields of vLLM 0.33's {cls.__name__} (the format has no place for "
+                "others; see docs/data-model.md)",
+                describe(getattr(obj, name)),
+            )
 
 
 def _check_req_ids(req_ids: Any, index: Any) -> int:
@@ -189,7 +292,38 @@ def _req_id_array(req_ids: list[Any]) -> pa.Array:
         raise FieldTypeError(f"req_ids[{i}]", "a str", describe(req_ids[i])) from None
 
 
-def _sampled(st: Any, n: int, id_type: str, null_column: pa.Array) -> tuple[pa.Array, str]:
+def _step_column(n: int, step: int | None) -> tuple[pa.Array, np.ndarray]:
+    """The step column over a fresh buffer: that buffer is the batch's identity (_stepmeta)."""
+    values = np.full(max(n, 1), 0 if step is None else step, dtype=np.int64)
+    validity = None if step is not None else _no_valid_bits(n)
+    arr = pa.Array.from_buffers(
+        pa.int64(), n, [validity, pa.py_buffer(values)], null_count=0 if step is not None else n
+    )
+    return arr, values
+
+
+def _keyed_rows(d: Any, index: dict[str, int], n: int, field: str) -> tuple[list[Any], list[int]]:
+    """Per-row values of a req_id-keyed dict (missing -> None) and rows present with None.
+
+    ``index`` is the step's ``req_id_to_index``, already proven to map req_ids[i] to i.
+    """
+    if not isinstance(d, dict):
+        raise FieldTypeError(field, "a dict keyed by request id", describe(d))
+    rows: list[Any] = [None] * n
+    none_rows: list[int] = []
+    for key, value in d.items():
+        i = index.get(key)
+        if i is None:
+            raise ConsistencyError(field, "keys that are request ids of this step", repr(key))
+        rows[i] = value
+        if value is None:
+            none_rows.append(i)
+    return rows, none_rows
+
+
+def _enc_sampled(c: _Enc) -> tuple[pa.Array, Any]:
+    st = _get(c.output, "sampled_token_ids", ModelRunnerOutput)
+    n, id_type, null_column = c.n, c.types.sampled_token_ids, c.nulls["sampled_token_ids"]
     if type(st) is not list:
         raise FieldTypeError("sampled_token_ids", "a list of lists of int", describe(st))
     if not st:
@@ -236,230 +370,92 @@ def _sampled(st: Any, n: int, id_type: str, null_column: pa.Array) -> tuple[pa.A
     return arr, "lists"
 
 
-def _keyed_rows(d: Any, index: dict[str, int], n: int, field: str) -> tuple[list[Any], list[int]]:
-    """Per-row values of a req_id-keyed dict (missing -> None) and rows present with None.
-
-    ``index`` is the step's ``req_id_to_index``, already proven to map req_ids[i] to i.
-    """
-    if not isinstance(d, dict):
-        raise FieldTypeError(field, "a dict keyed by request id", describe(d))
-    rows: list[Any] = [None] * n
-    none_rows: list[int] = []
-    for key, value in d.items():
-        i = index.get(key)
-        if i is None:
-            raise ConsistencyError(field, "keys that are request ids of this step", repr(key))
-        rows[i] = value
-        if value is None:
-            none_rows.append(i)
-    return rows, none_rows
-
-
-def _step_object(
-    obj: Any, names: tuple[str, ...], field: str, opaque: str, dropped: Dropped
-) -> dict[str, Any] | None:
-    if obj is None:
-        return None
-    missing = [name for name in names if not hasattr(obj, name)]
-    if missing:
-        raise FieldTypeError(field, f"an object with {', '.join(names)}", describe(obj))
-    return {
-        name: to_jsonable(getattr(obj, name), f"{field}.{name}", opaque, dropped) for name in names
-    }
-
-
-def to_record_batch(
-    output: Any,
-    *,
-    step: int | None = None,
-    metadata: dict[str, Any] | None = None,
-    schema: pa.Schema | None = None,
-    opaque: str = "drop",
-) -> pa.RecordBatch:
-    """A ``ModelRunnerOutput`` (ours or vLLM's) as one record batch, one row per request.
-
-    Parameters
-    ----------
-    output
-        The step's output; any object with ``ModelRunnerOutput``'s attribute names.
-    step
-        The engine step number, stored in the ``step`` column and the step metadata.
-    metadata
-        User run metadata (JSON-serialisable dict); only without ``schema``.
-    schema
-        The run's schema (the first batch's, or :func:`output_schema`). Without it the
-        schema is inferred from this step. With it, data of other dtypes is refused.
-    opaque
-        ``"drop"`` (default): connector objects that are not plain data are dropped with an
-        :class:`OpaqueValueWarning` and listed in the step metadata; ``"error"`` raises.
-        Nothing is ever pickled.
-
-    Examples
-    --------
-    >>> from arrow_outputs.outputs import ModelRunnerOutput
-    >>> out = ModelRunnerOutput(["a", "b"], {"a": 0, "b": 1}, [[7], [8, 9]])
-    >>> batch = to_record_batch(out, step=3)
-    >>> batch.num_rows, batch.column("sampled_token_ids").to_pylist()
-    (2, [[7], [8, 9]])
-    >>> from_record_batch(batch) == out
-    True
-    """
-    if opaque not in ("drop", "error"):
-        raise FieldTypeError("opaque", "'drop' or 'error'", repr(opaque))
-    for name in ("req_ids", "req_id_to_index"):
-        if not hasattr(output, name):
-            raise FieldTypeError("output", "a ModelRunnerOutput", describe(output))
-    if step is not None and type(step) is not int:
-        raise FieldTypeError("step", "an int or None", describe(step))
-    if step is not None and not -(2**63) <= step < 2**63:
-        raise UnsupportedValueError("step", "a step number within int64", str(step))
-    req_ids = output.req_ids
-    index = output.req_id_to_index
-    n = _check_req_ids(req_ids, index)
-    if schema is None:
-        schema = _inferred_schema(output, metadata)
-    elif metadata is not None:
-        raise ConsistencyError(
-            "metadata", "None when a schema is given (run metadata lives in the schema)", "a dict"
-        )
-    run = _run_of(schema)
-    types = run.types
-    nulls = run.nulls(n)
-    # "rows" lets a reader notice step metadata that belongs to another batch.
-    meta: dict[str, Any] = {"step": step, "rows": n}
-    dropped: Dropped = []
-
-    step_col = nulls[0] if step is None else pa.array(np.full(n, step, dtype=np.int64))
-    sampled, meta["sampled_token_ids"] = _sampled(
-        output.sampled_token_ids, n, types.sampled_token_ids, nulls[3]
-    )
-
-    lp = output.logprobs
+def _enc_logprobs(c: _Enc) -> tuple[pa.Array, Any]:
+    lp = _get(c.output, "logprobs", ModelRunnerOutput)
     if lp is None:
-        logprobs = nulls[4]
-        meta["logprobs"] = None
-    else:
-        logprobs, meta["logprobs"] = encode_logprobs(
-            lp,
-            "logprobs",
-            id_type=types.logprob_token_ids,
-            rank_type=types.logprob_ranks,
-            num_rows=n,
-        )
+        return c.nulls["logprobs"], None
+    return encode_logprobs(
+        lp,
+        "logprobs",
+        id_type=c.types.logprob_token_ids,
+        rank_type=c.types.logprob_ranks,
+        num_rows=c.n,
+    )
 
-    prompt = output.prompt_logprobs_dict
-    if prompt:
-        rows, none_rows = _keyed_rows(prompt, index, n, "prompt_logprobs_dict")
-        prompt_arr, layout = encode_prompt_logprobs(
-            rows,
-            "prompt_logprobs_dict",
-            keys=req_ids,
-            id_type=types.prompt_logprob_token_ids,
-            rank_type=types.prompt_logprob_ranks,
-        )
-        meta["prompt_logprobs"] = {"none_rows": none_rows, **layout}
-    else:
-        if not isinstance(prompt, dict):
-            raise FieldTypeError("prompt_logprobs_dict", "a dict", describe(prompt))
-        prompt_arr = nulls[5]
 
-    tid = output.prompt_token_id_logprobs_dict
-    if tid:
-        rows, none_rows = _keyed_rows(tid, index, n, "prompt_token_id_logprobs_dict")
-        if none_rows:
-            raise FieldTypeError(
-                f"prompt_token_id_logprobs_dict[{req_ids[none_rows[0]]!r}]", "a tensor", "None"
-            )
-        tid_arr, kind = encode_tensor_rows(
-            rows, types.prompt_token_id_logprobs, "prompt_token_id_logprobs_dict", req_ids
-        )
-        meta["prompt_token_id_logprobs"] = kind
-    else:
-        if not isinstance(tid, dict):
-            raise FieldTypeError("prompt_token_id_logprobs_dict", "a dict", describe(tid))
-        tid_arr = nulls[6]
+def _enc_prompt_logprobs(c: _Enc) -> tuple[pa.Array, Any]:
+    prompt = _get(c.output, "prompt_logprobs_dict", ModelRunnerOutput)
+    if not isinstance(prompt, dict):
+        raise FieldTypeError("prompt_logprobs_dict", "a dict", describe(prompt))
+    if not prompt:
+        return c.nulls["prompt_logprobs"], None
+    rows, none_rows = _keyed_rows(prompt, c.req_id_to_index, c.n, "prompt_logprobs_dict")
+    arr, layout = encode_prompt_logprobs(
+        rows,
+        "prompt_logprobs_dict",
+        keys=c.req_ids,
+        id_type=c.types.prompt_logprob_token_ids,
+        rank_type=c.types.prompt_logprob_ranks,
+    )
+    return arr, {"none_rows": sorted(none_rows), **layout}
 
-    pooler = output.pooler_output
+
+def _enc_prompt_token_id_logprobs(c: _Enc) -> tuple[pa.Array, Any]:
+    tid = _get(c.output, "prompt_token_id_logprobs_dict", ModelRunnerOutput)
+    if not isinstance(tid, dict):
+        raise FieldTypeError("prompt_token_id_logprobs_dict", "a dict", describe(tid))
+    if not tid:
+        return c.nulls["prompt_token_id_logprobs"], None
+    rows, none_rows = _keyed_rows(tid, c.req_id_to_index, c.n, "prompt_token_id_logprobs_dict")
+    if none_rows:
+        raise FieldTypeError(
+            f"prompt_token_id_logprobs_dict[{c.req_ids[none_rows[0]]!r}]", "a tensor", "None"
+        )
+    return encode_tensor_rows(
+        rows, c.types.prompt_token_id_logprobs, "prompt_token_id_logprobs_dict", c.req_ids
+    )
+
+
+def _enc_pooler(c: _Enc) -> tuple[pa.Array, Any]:
+    pooler = _get(c.output, "pooler_output", ModelRunnerOutput)
     if pooler is None:
-        pooler_arr = nulls[7]
-        meta["pooler_output"] = None
-    else:
-        if type(pooler) is not list:
-            raise FieldTypeError("pooler_output", "a list of tensors (or None)", describe(pooler))
-        if len(pooler) != n:
-            raise ShapeError("pooler_output", f"{n} rows (one per request)", str(len(pooler)))
-        pooler_arr, meta["pooler_output"] = encode_tensor_rows(
-            pooler, types.pooler_output, "pooler_output"
-        )
+        return c.nulls["pooler_output"], None
+    if type(pooler) is not list:
+        raise FieldTypeError("pooler_output", "a list of tensors (or None)", describe(pooler))
+    if len(pooler) != c.n:
+        raise ShapeError("pooler_output", f"{c.n} rows (one per request)", str(len(pooler)))
+    return encode_tensor_rows(pooler, c.types.pooler_output, "pooler_output")
 
-    nans = output.num_nans_in_logits
+
+def _enc_nans(c: _Enc) -> tuple[pa.Array, Any]:
+    nans = _get(c.output, "num_nans_in_logits", ModelRunnerOutput)
     if nans is None:
-        nans_arr = nulls[8]
-        meta["num_nans_in_logits"] = None
-    else:
-        rows, none_rows = _keyed_rows(nans, index, n, "num_nans_in_logits")
-        bad = [i for i, v in enumerate(rows) if v is not None and type(v) is not int]
-        if none_rows or bad:
-            i = (none_rows + bad)[0]
-            raise FieldTypeError(f"num_nans_in_logits[{req_ids[i]!r}]", "an int", describe(rows[i]))
-        try:
-            nans_arr = pa.array(rows, pa.int32())
-        except (pa.ArrowInvalid, OverflowError) as e:
-            raise UnsupportedValueError(
-                "num_nans_in_logits",
-                "counts within int32",
-                str(max(v for v in rows if v is not None)),
-            ) from e
-        meta["num_nans_in_logits"] = "dict"
+        return c.nulls["num_nans_in_logits"], None
+    rows, none_rows = _keyed_rows(nans, c.req_id_to_index, c.n, "num_nans_in_logits")
+    bad = [i for i, v in enumerate(rows) if v is not None and type(v) is not int]
+    if none_rows or bad:
+        i = (none_rows + bad)[0]
+        raise FieldTypeError(f"num_nans_in_logits[{c.req_ids[i]!r}]", "an int", describe(rows[i]))
+    try:
+        arr = pa.array(rows, pa.int32())
+    except (pa.ArrowInvalid, OverflowError) as e:
+        raise UnsupportedValueError(
+            "num_nans_in_logits", "counts within int32", str(max(v for v in rows if v is not None))
+        ) from e
+    return arr, "dict"
 
-    masks = output.sampling_masks
+
+def _enc_masks(c: _Enc) -> tuple[pa.Array, Any]:
+    masks = _get(c.output, "sampling_masks", ModelRunnerOutput)
     if masks is None:
-        mask_arr = nulls[9]
-        meta["sampling_mask"] = None
-    else:
-        mask_arr, meta["sampling_mask"] = encode_sampling_masks(masks, "sampling_masks", num_rows=n)
+        return c.nulls["sampling_mask"], None
+    return encode_sampling_masks(masks, "sampling_masks", num_rows=c.n)
 
-    aux = output.aux_output_connector_output
+
+def _enc_aux(c: _Enc) -> tuple[pa.Array, Any]:
+    aux = _get(c.output, "aux_output_connector_output", ModelRunnerOutput)
     if aux is None:
-        aux_arr = nulls[10]
-        meta["aux_output"] = None
-    else:
-        aux_arr, meta["aux_output"] = _encode_aux(aux, req_ids, index, types, run.column_type[10])
-
-    meta["kv_connector_output"] = _step_object(
-        output.kv_connector_output, _KV_FIELDS, "kv_connector_output", opaque, dropped
-    )
-    meta["ec_connector_output"] = _step_object(
-        output.ec_connector_output, _EC_FIELDS, "ec_connector_output", opaque, dropped
-    )
-    meta["cudagraph_stats"] = _step_object(
-        output.cudagraph_stats, _CG_FIELDS, "cudagraph_stats", opaque, dropped
-    )
-    if dropped:
-        meta["dropped"] = dropped
-
-    arrays = [
-        step_col,
-        _req_id_array(req_ids),
-        _req_index(n),
-        sampled,
-        logprobs,
-        prompt_arr,
-        tid_arr,
-        pooler_arr,
-        nans_arr,
-        mask_arr,
-        aux_arr,
-    ]
-    run_meta = run.metadata.copy()
-    run_meta[KEY_STEP] = _JSON.encode(meta).encode()
-    return pa.RecordBatch.from_arrays(arrays, schema=schema.with_metadata(run_meta))
-
-
-def _encode_aux(
-    aux: Any, req_ids: list[str], index: dict[str, int], types: ColumnTypes, aux_type: pa.DataType
-) -> tuple[pa.Array, Any]:
-    n = len(req_ids)
+        return c.nulls["aux_output"], None
     items = getattr(aux, "items", None)
     if items is None:
         raise FieldTypeError(
@@ -467,7 +463,10 @@ def _encode_aux(
             "a mapping of request id to AuxRequestOutput",
             describe(aux),
         )
-    rows, none_rows = _keyed_rows(dict(items()), index, n, "aux_output_connector_output")
+    n, req_ids = c.n, c.req_ids
+    rows, none_rows = _keyed_rows(
+        dict(items()), c.req_id_to_index, n, "aux_output_connector_output"
+    )
     if none_rows:
         raise FieldTypeError(
             f"aux_output_connector_output[{req_ids[none_rows[0]]!r}]", "an AuxRequestOutput", "None"
@@ -488,21 +487,296 @@ def _encode_aux(
                 )
         if type(r.token_start) is not int:
             raise FieldTypeError(f"{f}.token_start", "an int", describe(r.token_start))
+        if not -(2**63) <= r.token_start < 2**63:
+            raise UnsupportedValueError(
+                f"{f}.token_start", "an int within int64", str(r.token_start)
+            )
         if r.rows is None:
             raise FieldTypeError(f"{f}.rows", "a 3-D uint8/uint16 array", "None")
         starts[i] = r.token_start
         tensors.append(r.rows)
     rows_arr, kind = encode_tensor_rows(
-        tensors, types.aux_rows, "aux_output_connector_output", req_ids
+        tensors, c.types.aux_rows, "aux_output_connector_output", req_ids
     )
     valid = np.fromiter((t is not None for t in tensors), dtype=bool, count=n)
     validity = None if valid.all() else pa.py_buffer(np.packbits(valid, bitorder="little"))
-    start_arr = pa.array(starts)
-    arr = pa.Array.from_buffers(aux_type, n, [validity], children=[start_arr, rows_arr])
+    aux_type = c.nulls["aux_output"].type
+    arr = pa.Array.from_buffers(aux_type, n, [validity], children=[pa.array(starts), rows_arr])
     return arr, {"kind": kind}
 
 
+def _step_object(obj: Any, key: str, opaque: str, dropped: Dropped) -> dict[str, Any] | None:
+    if obj is None:
+        return None
+    cls = _STEP_CLASSES[key]
+    _refuse_unknown_fields(obj, cls, key)
+    return {
+        name: to_jsonable(_get(obj, name, cls), f"{key}.{name}", opaque, dropped)
+        for name in _FIELDS[cls]
+    }
+
+
 # ----------------------------------------------------------------------------- decode
+
+
+class _Dec(NamedTuple):
+    """What every column decoder gets for one batch."""
+
+    req_ids: list[str]
+    types: ColumnTypes
+    rows: np.ndarray | None  # the step's row of each batch row, for a slice; None: all rows
+    step_rows: int  # rows of the whole step
+    validated: bool
+
+
+def _local(c: _Dec, step_rows: Iterable[int], path: str) -> dict[int, int]:
+    """Step row numbers (as the step JSON names them) -> this batch's rows that hold them."""
+    for r in step_rows:
+        if r >= c.step_rows:
+            raise StepMetadataError(path, f"row numbers below {c.step_rows}", str(r))
+    if c.rows is None:
+        return {r: r for r in step_rows}
+    where = {int(r): i for i, r in enumerate(c.rows)}
+    return {r: where[r] for r in step_rows if r in where}
+
+
+def _dec_sampled(c: _Dec, col: pa.Array, mode: str) -> Any:
+    if mode == "none":
+        if col.null_count != len(col):
+            raise _claim("sampled_token_ids", "'none' (a pooling step)", col)
+        return []
+    if col.null_count:
+        raise SchemaMismatchError(
+            "sampled_token_ids",
+            "no nulls, or nulls in every row (a pooling step)",
+            f"{col.null_count} nulls of {len(col)}",
+        )
+    offs = list_offsets(col, np.int32)  # monotonic and in bounds: validated (or trusted)
+    lo, hi = int(offs[0]), int(offs[-1])
+    values = _values_of(col.values, lo, hi)
+    n = len(col)
+    if n and is_arange(offs, int(offs[1]) - lo):
+        # Uniform lengths (every decode step without speculation): one C-level tolist.
+        return values.reshape(n, -1).tolist()
+    flat = values.tolist()
+    bounds = (offs - lo).tolist()
+    return [flat[a:b] for a, b in itertools.pairwise(bounds)]
+
+
+def _values_of(child: pa.Array, lo: int, hi: int) -> np.ndarray:
+    return child.to_numpy()[lo:hi] if hi > lo else child.to_numpy()[:0]
+
+
+def _dec_logprobs(c: _Dec, col: pa.Array, layout: dict[str, Any]) -> Any:
+    return decode_logprobs(col, layout, "logprobs", validated=c.validated)
+
+
+def _dec_prompt_logprobs(c: _Dec, col: pa.Array, layout: dict[str, Any]) -> Any:
+    path = "arrow_outputs.step.prompt_logprobs"
+    if len(set(layout["none_rows"])) != len(layout["none_rows"]):
+        raise StepMetadataError(f"{path}.none_rows", "distinct rows", str(layout["none_rows"]))
+    none = set(_local(c, layout["none_rows"], f"{path}.none_rows").values())
+    step_widths = {int(k): w for k, w in layout.get("empty_widths", {}).items()}
+    widths = {i: step_widths[r] for r, i in _local(c, step_widths, f"{path}.empty_widths").items()}
+    entries = decode_prompt_logprobs(col, widths, "prompt_logprobs")
+    for i in none:
+        if entries[i] is not None:
+            raise StepMetadataError(
+                f"{path}.none_rows",
+                "rows that are null in the prompt_logprobs column",
+                f"row {i}, which holds prompt logprobs",
+            )
+    return {c.req_ids[i]: e for i, e in enumerate(entries) if e is not None or i in none}
+
+
+def _dec_prompt_token_id_logprobs(c: _Dec, col: pa.Array, kind: str) -> Any:
+    rows = decode_tensor_rows(
+        col, c.types.prompt_token_id_logprobs, kind, "prompt_token_id_logprobs"
+    )
+    return {c.req_ids[i]: r for i, r in enumerate(rows) if r is not None}
+
+
+def _dec_pooler(c: _Dec, col: pa.Array, kind: str) -> Any:
+    return decode_tensor_rows(col, c.types.pooler_output, kind, "pooler_output")
+
+
+def _dec_nans(c: _Dec, col: pa.Array, layout: str) -> Any:
+    values = col.to_pylist()
+    return {c.req_ids[i]: v for i, v in enumerate(values) if v is not None}
+
+
+def _dec_masks(c: _Dec, col: pa.Array, layout: dict[str, Any]) -> Any:
+    return decode_sampling_masks(col, layout, "sampling_mask")
+
+
+def _dec_aux(c: _Dec, col: pa.Array, layout: dict[str, Any]) -> Any:
+    starts_col, rows_col = col.field(0), col.field(1)
+    valid = col.is_valid().to_numpy(zero_copy_only=False)
+    # A present row needs both parts (nulls inside an absent row are fine).
+    for name, child in (("token_start", starts_col), ("rows", rows_col)):
+        if child.null_count and (valid & ~child.is_valid().to_numpy(zero_copy_only=False)).any():
+            raise SchemaMismatchError(
+                f"aux_output.{name}", "a value in every present aux row", "a null"
+            )
+    starts = starts_col.to_numpy(zero_copy_only=False).tolist()
+    rows = decode_tensor_rows(rows_col, c.types.aux_rows, layout["kind"], "aux_output.rows")
+    return {
+        c.req_ids[i]: AuxRequestOutput(starts[i], rows[i])
+        for i in range(len(c.req_ids))
+        if valid[i]
+    }
+
+
+class _Codec(NamedTuple):
+    """One column: its step JSON key, output field, encoder and decoder.
+
+    ``encode(ctx) -> (array, layout)``; layout None means absent (an all-null column).
+    ``decode(ctx, column, layout) -> value``; absent columns decode to ``absent``.
+    """
+
+    meta_key: str
+    output_field: str
+    encode: Callable[[_Enc], tuple[pa.Array, Any]]
+    decode: Callable[[_Dec, pa.Array, Any], Any]
+    absent: Callable[[], Any]
+
+
+_CODECS: dict[str, _Codec] = {
+    "sampled_token_ids": _Codec(
+        "sampled_token_ids", "sampled_token_ids", _enc_sampled, _dec_sampled, list
+    ),
+    "logprobs": _Codec("logprobs", "logprobs", _enc_logprobs, _dec_logprobs, lambda: None),
+    "prompt_logprobs": _Codec(
+        "prompt_logprobs", "prompt_logprobs_dict", _enc_prompt_logprobs, _dec_prompt_logprobs, dict
+    ),
+    "prompt_token_id_logprobs": _Codec(
+        "prompt_token_id_logprobs",
+        "prompt_token_id_logprobs_dict",
+        _enc_prompt_token_id_logprobs,
+        _dec_prompt_token_id_logprobs,
+        dict,
+    ),
+    "pooler_output": _Codec(
+        "pooler_output", "pooler_output", _enc_pooler, _dec_pooler, lambda: None
+    ),
+    "num_nans_in_logits": _Codec(
+        "num_nans_in_logits", "num_nans_in_logits", _enc_nans, _dec_nans, lambda: None
+    ),
+    "sampling_mask": _Codec(
+        "sampling_mask", "sampling_masks", _enc_masks, _dec_masks, lambda: None
+    ),
+    "aux_output": _Codec(
+        "aux_output", "aux_output_connector_output", _enc_aux, _dec_aux, lambda: None
+    ),
+}
+# step, req_id and req_index identify the rows; every other column has a codec.
+assert COLUMNS[3:] == tuple(_CODECS), "the codec table and the schema disagree"
+
+
+def _claim(key: str, claim: str, col: pa.Array) -> StepMetadataError:
+    return StepMetadataError(
+        f"arrow_outputs.step.{key}",
+        f"a column that matches the claim {claim}",
+        f"{len(col) - col.null_count} non-null rows of {len(col)}",
+    )
+
+
+# ----------------------------------------------------------------------------- public
+
+
+def to_record_batch(
+    output: Any,
+    *,
+    step: int | None = None,
+    metadata: dict[str, Any] | None = None,
+    schema: pa.Schema | None = None,
+    opaque: str = "drop",
+) -> pa.RecordBatch:
+    """A ``ModelRunnerOutput`` (ours or vLLM's) as one record batch, one row per request.
+
+    The batch's schema metadata carries its step metadata (``arrow_outputs.step``). To write
+    batches to an IPC stream or file, open the writer with :func:`run_schema` and pass
+    :func:`step_custom_metadata` with each batch.
+
+    Parameters
+    ----------
+    output
+        The step's output; any object with ``ModelRunnerOutput``'s attribute names. Objects
+        of older vLLM versions that lack a newer field get that field's default.
+    step
+        The engine step number (an int or numpy integer), stored in the ``step`` column and
+        the step metadata.
+    metadata
+        User run metadata (JSON-serialisable dict); only without ``schema``.
+    schema
+        The run's schema (:func:`run_schema` of the first batch, or :func:`output_schema`).
+        Without it the schema is inferred from this step. With it, data of other dtypes is
+        refused.
+    opaque
+        ``"drop"`` (default): connector objects that are not plain data (nor dataclasses,
+        NamedTuples or msgspec Structs of it) are dropped with an
+        :class:`OpaqueValueWarning` and listed in the step metadata; ``"error"`` raises.
+        Nothing is ever pickled.
+
+    Examples
+    --------
+    >>> from arrow_outputs.outputs import ModelRunnerOutput
+    >>> out = ModelRunnerOutput(["a", "b"], {"a": 0, "b": 1}, [[7], [8, 9]])
+    >>> batch = to_record_batch(out, step=3)
+    >>> batch.num_rows, batch.column("sampled_token_ids").to_pylist()
+    (2, [[7], [8, 9]])
+    >>> from_record_batch(batch) == out
+    True
+    """
+    if opaque not in ("drop", "error"):
+        raise FieldTypeError("opaque", "'drop' or 'error'", repr(opaque))
+    for name in ("req_ids", "req_id_to_index"):
+        if not hasattr(output, name):
+            raise FieldTypeError("output", "a ModelRunnerOutput", describe(output))
+    step = _step_number(step)
+    _refuse_unknown_fields(output, ModelRunnerOutput, "output")
+    req_ids = output.req_ids
+    index = output.req_id_to_index
+    n = _check_req_ids(req_ids, index)
+    if schema is None:
+        schema = _inferred_schema(output, metadata)
+    elif not isinstance(schema, pa.Schema):
+        raise FieldTypeError("schema", "a pyarrow.Schema (run_schema(batch))", describe(schema))
+    elif metadata is not None:
+        raise ConsistencyError(
+            "metadata", "None when a schema is given (run metadata lives in the schema)", "a dict"
+        )
+    run = _run_of(schema)
+    ctx = _Enc(output, req_ids, index, n, run.types, run.nulls(n))
+    # "rows" lets a reader notice step metadata that belongs to another batch.
+    meta: dict[str, Any] = {"step": step, "rows": n}
+    step_col, identity = _step_column(n, step)
+    arrays = [step_col, _req_id_array(req_ids), _req_index(n)]
+    for codec in _CODECS.values():
+        arr, meta[codec.meta_key] = codec.encode(ctx)
+        arrays.append(arr)
+    dropped: Dropped = []
+    for key in _STEP_CLASSES:
+        value = _get(output, key, ModelRunnerOutput)
+        meta[key] = _step_object(value, key, opaque, dropped)
+    meta["dropped"] = dropped
+    raw = _JSON.encode(meta).encode()
+    _stepmeta.register(identity, raw)
+    run_meta = run.metadata.copy()
+    run_meta[KEY_STEP] = raw
+    return pa.RecordBatch.from_arrays(arrays, schema=schema.with_metadata(run_meta))
+
+
+def _step_number(step: Any) -> int | None:
+    if step is None:
+        return None
+    if isinstance(step, np.integer):
+        step = int(step)
+    if type(step) is not int:
+        raise FieldTypeError("step", "an int (or numpy integer) or None", describe(step))
+    if not -(2**63) <= step < 2**63:
+        raise UnsupportedValueError("step", "a step number within int64", str(step))
+    return step
 
 
 def run_schema(batch_or_schema: pa.RecordBatch | pa.Schema) -> pa.Schema:
@@ -519,6 +793,10 @@ def run_schema(batch_or_schema: pa.RecordBatch | pa.Schema) -> pa.Schema:
     False
     """
     schema = getattr(batch_or_schema, "schema", batch_or_schema)
+    if not isinstance(schema, pa.Schema):
+        raise FieldTypeError(
+            "batch_or_schema", "a pyarrow RecordBatch, Table or Schema", describe(batch_or_schema)
+        )
     meta = dict(schema.metadata or {})
     meta.pop(KEY_STEP, None)
     return schema.with_metadata(meta)
@@ -526,6 +804,10 @@ def run_schema(batch_or_schema: pa.RecordBatch | pa.Schema) -> pa.Schema:
 
 def step_custom_metadata(batch: pa.RecordBatch) -> dict[bytes, bytes]:
     """The IPC custom metadata that carries a batch's step metadata through a stream or file.
+
+    Only for a batch made by :func:`to_record_batch` (or a slice of it): a batch that merely
+    inherited a schema with a step key (from a table, stream or file) is refused, so another
+    batch's step metadata is never written out as this one's.
 
     Examples
     --------
@@ -539,55 +821,217 @@ def step_custom_metadata(batch: pa.RecordBatch) -> dict[bytes, bytes]:
     >>> step_metadata(read, meta)["step"]
     4
     """
+    if not isinstance(batch, pa.RecordBatch):
+        raise FieldTypeError("batch", "a pyarrow.RecordBatch", describe(batch))
     raw = (batch.schema.metadata or {}).get(KEY_STEP)
     if raw is None:
-        raise SchemaMismatchError(
+        raise StepMetadataError(
             "batch.schema.metadata",
             "an arrow_outputs.step key (a batch of to_record_batch)",
             "no such key",
         )
+    if not _owned(batch, raw):
+        raise _inherited_error()
+    if batch.num_rows != _stepmeta.parse(raw, _SCHEMA_PATH, _SPEC)["rows"]:
+        raise StepMetadataError(
+            "batch",
+            "a whole step's batch (IPC custom metadata describes whole batches)",
+            f"a slice of {batch.num_rows} rows; write the step's whole batch",
+        )
     return {KEY_STEP: raw}
 
 
-def step_metadata(batch: pa.RecordBatch, custom_metadata: Any = None) -> dict[str, Any]:
-    """The step-level JSON of a batch (from IPC custom metadata when given, else the schema).
+_SCHEMA_PATH = "schema.metadata[arrow_outputs.step]"
+_CUSTOM_PATH = "custom_metadata[arrow_outputs.step]"
+_HOW = (
+    "read IPC batches together with their custom metadata (pyarrow's "
+    "read_next_batch_with_custom_metadata / get_batch_with_custom_metadata, then "
+    "from_record_batch(batch, custom_metadata=...)); or pass "
+    "missing_step_metadata='defaults' to decode with the documented defaults"
+)
 
-    Absent (a batch that went through a tool that drops metadata), every field takes its
-    plain reading: columns' nulls mean None, offsets are explicit, no connector outputs.
-    """
+
+def _owned(batch: pa.RecordBatch, raw: bytes) -> bool:
+    return batch.num_columns > 0 and _stepmeta.owns(batch.column(0), raw)
+
+
+def _inherited_error() -> StepMetadataError:
+    return StepMetadataError(
+        _SCHEMA_PATH,
+        f"step metadata that belongs to this batch: {_HOW}",
+        "step metadata this batch was not made with (a stream, file or table shares one "
+        "schema, so its step key is another batch's)",
+    )
+
+
+def _custom_raw(custom_metadata: Any) -> Any:
+    """The step key of IPC custom metadata (None when absent); checks the argument's kind."""
+    if custom_metadata is None:
+        return None
+    items = getattr(custom_metadata, "items", None)
+    if not callable(items):
+        raise FieldTypeError(
+            "custom_metadata",
+            "a mapping of bytes to bytes (a message's IPC custom metadata) or None",
+            describe(custom_metadata),
+        )
     raw = None
-    if custom_metadata is not None:
-        raw = dict(custom_metadata).get(KEY_STEP, dict(custom_metadata).get(KEY_STEP.decode()))
-    if raw is None:
-        raw = (batch.schema.metadata or {}).get(KEY_STEP)
-    if raw is None:
-        return {}
-    try:
-        meta = json.loads(raw)
-    except ValueError as e:
-        raise SchemaMismatchError("schema.metadata[arrow_outputs.step]", "JSON", str(e)) from e
-    if not isinstance(meta, dict):
-        raise SchemaMismatchError(
-            "schema.metadata[arrow_outputs.step]", "a JSON object", type(meta).__name__
-        )
-    rows, step = meta.get("rows", batch.num_rows), meta.get("step")
-    stale = rows != batch.num_rows
-    if not stale and step is not None and rows:
-        first = batch.column(0)[0].as_py()
-        stale = first is not None and first != step
-    if stale:
-        raise SchemaMismatchError(
-            "arrow_outputs.step",
-            f"this batch's step metadata ({batch.num_rows} rows); IPC streams and files carry "
-            "it as each batch's custom metadata (step_custom_metadata, "
-            "read_next_batch_with_custom_metadata / get_batch_with_custom_metadata)",
-            f"the metadata of another batch ({rows} rows, step {step})",
-        )
+    for key, value in items():
+        if not isinstance(key, (bytes, str)) or not isinstance(value, (bytes, str)):
+            raise FieldTypeError(
+                "custom_metadata",
+                "a mapping of bytes to bytes (a message's IPC custom metadata)",
+                f"the entry {describe(key)}: {describe(value)}",
+            )
+        if key in (KEY_STEP, KEY_STEP.decode()):
+            raw = value
+    return raw
+
+
+def step_metadata(
+    batch: pa.RecordBatch, custom_metadata: Any = None, *, missing_step_metadata: str = "error"
+) -> dict[str, Any]:
+    """A batch's step JSON, checked: from its IPC custom metadata when given, else from its
+    schema when the batch is the one :func:`to_record_batch` made it for.
+
+    Parameters
+    ----------
+    batch
+        A batch of this format.
+    custom_metadata
+        The IPC custom metadata of the message the batch was read from.
+    missing_step_metadata
+        ``"error"`` (default): a batch without its own step metadata is refused with a
+        :class:`StepMetadataError` that says how to read it. ``"defaults"``: its step
+        metadata is read off the columns instead (``docs/schema.md`` lists the defaults).
+    """
+    meta, _ = _resolve(batch, custom_metadata, missing_step_metadata)
     return meta
 
 
+def _resolve(batch: Any, custom_metadata: Any, missing: str) -> tuple[dict[str, Any], bool]:
+    """(checked step JSON, whether a head slice of its step may be decoded)."""
+    if not isinstance(batch, pa.RecordBatch):
+        raise FieldTypeError("batch", "a pyarrow.RecordBatch", describe(batch))
+    check_format(batch.schema)
+    if missing not in MISSING_POLICIES:
+        raise FieldTypeError(
+            "missing_step_metadata", " or ".join(map(repr, MISSING_POLICIES)), repr(missing)
+        )
+    raw = _custom_raw(custom_metadata)
+    if raw is not None:
+        # IPC custom metadata belongs to its message: trusted as this batch's.
+        return _stepmeta.parse(raw, _CUSTOM_PATH, _SPEC), False
+    raw = (batch.schema.metadata or {}).get(KEY_STEP)
+    if raw is not None and _owned(batch, raw):
+        return _stepmeta.parse(raw, _SCHEMA_PATH, _SPEC), True
+    if missing == "defaults":
+        return _default_meta(batch), False
+    if raw is not None:
+        raise _inherited_error()
+    raise StepMetadataError(
+        "arrow_outputs.step",
+        f"the batch's step metadata: {_HOW}",
+        "no arrow_outputs.step key in the custom metadata or the schema (written without "
+        "custom_metadata=, or through a tool that drops metadata)",
+    )
+
+
+def _all_null(col: pa.Array) -> bool:
+    return col.null_count == len(col)
+
+
+def _default_meta(batch: pa.RecordBatch) -> dict[str, Any]:
+    """The documented reading of a batch without step metadata (``docs/schema.md``)."""
+    col = {name: batch.column(name) for name in COLUMNS}
+    n = batch.num_rows
+    step_col = col["step"]
+    step = None
+    if n and not step_col.null_count:
+        values = np.unique(step_col.to_numpy())
+        if len(values) == 1:
+            step = int(values[0])
+
+    def present(name: str, layout: Any) -> Any:
+        return None if _all_null(col[name]) else layout
+
+    return {
+        "step": step,
+        "rows": n,
+        "sampled_token_ids": "none" if n and _all_null(col["sampled_token_ids"]) else "lists",
+        "logprobs": present("logprobs", {"kind": "lists", "cu": "list", "width": None}),
+        "prompt_logprobs": present("prompt_logprobs", {"none_rows": [], "empty_widths": {}}),
+        "prompt_token_id_logprobs": present("prompt_token_id_logprobs", "torch"),
+        "pooler_output": present("pooler_output", "torch"),
+        "num_nans_in_logits": present("num_nans_in_logits", "dict"),
+        "sampling_mask": present("sampling_mask", {"offsets": True, "cu": True}),
+        "aux_output": present("aux_output", {"kind": "numpy"}),
+        "kv_connector_output": None,
+        "ec_connector_output": None,
+        "cudagraph_stats": None,
+        "dropped": [],
+    }
+
+
+def _check_rows(batch: pa.RecordBatch, meta: dict[str, Any], head_slice_ok: bool) -> Any:
+    """Which of the step's rows this batch holds: None for all of them in order, else their
+    step row numbers (a slice or filter of the step's batch)."""
+    n, rows = batch.num_rows, meta["rows"]
+    for name in ("req_id", "req_index"):
+        if batch.column(name).null_count:
+            raise SchemaMismatchError(name, "no nulls (a non-nullable column)", "nulls")
+    index = batch.column("req_index").to_numpy()
+    arange = len(index) == 0 or is_arange(index)
+    if n == rows and arange:
+        return None
+    increasing = len(index) < 2 or bool((np.diff(index) > 0).all())
+    inside = len(index) == 0 or (int(index[0]) >= 0 and int(index[-1]) < rows)
+    if n > rows or not (increasing and inside):
+        if n == rows:
+            raise ConsistencyError(
+                "req_index", f"0..{n - 1} (each request's position)", _head(index)
+            )
+        raise StepMetadataError(
+            "arrow_outputs.step.rows",
+            f"{n} (this batch's rows), or more for a slice of the step",
+            f"{rows}: the metadata of another batch",
+        )
+    if arange and not head_slice_ok:
+        raise StepMetadataError(
+            "arrow_outputs.step.rows",
+            f"{n} (this batch's rows)",
+            f"{rows}: this batch is a slice of the step's first {n} rows, or the metadata is "
+            "another step's; decode the whole batch, then select requests",
+        )
+    return index.astype(np.int64)
+
+
+def _head(a: np.ndarray, k: int = 8) -> str:
+    return str(a[:k].tolist())[:-1] + (", ...]" if len(a) > k else "]")
+
+
+def _check_step_column(col: pa.Array, step: int | None) -> None:
+    if step is None:
+        if col.null_count != len(col):
+            raise _claim("step", "None (no step number)", col)
+        return
+    if col.null_count:
+        raise _claim("step", f"step {step} in every row", col)
+    values = col.to_numpy()
+    if len(values) and not (values == step).all():
+        bad = values[values != step][0]
+        raise StepMetadataError(
+            "arrow_outputs.step.step", f"{step}, the step column's value", f"a row of step {bad}"
+        )
+
+
 def from_record_batch(
-    batch: pa.RecordBatch, *, custom_metadata: Any = None, validate: bool = True
+    batch: pa.RecordBatch,
+    *,
+    custom_metadata: Any = None,
+    validate: bool = True,
+    missing_step_metadata: str = "error",
+    classes: Iterable[type] | None = None,
 ) -> Any:
     """A record batch made by :func:`to_record_batch` back into a ``ModelRunnerOutput``.
 
@@ -596,165 +1040,71 @@ def from_record_batch(
     the batch (and, in memory, with the producer's arrays). Python lists are made where vLLM
     has lists.
 
+    A slice or filter of a step's batch decodes to the output of its rows (the step-level
+    connector outputs and CUDA-graph stats stay those of the step).
+
     Parameters
     ----------
     batch
         A batch of this format (its schema metadata names the format and version).
     custom_metadata
-        The batch's IPC custom metadata, when step metadata travelled there.
+        The batch's IPC custom metadata (``read_next_batch_with_custom_metadata`` or
+        ``get_batch_with_custom_metadata``): a batch read from a stream or file needs it.
     validate
         Run ``batch.validate(full=True)`` first: batches from elsewhere are untrusted, and
         only full validation catches bad offsets. ``False`` is for batches this process
         made itself: the checks that full validation makes are then skipped, not redone.
+    missing_step_metadata
+        ``"error"`` (default) refuses a batch without its own step metadata;
+        ``"defaults"`` decodes it with the defaults of ``docs/schema.md``.
+    classes
+        Connector payload classes to rebuild (an allow-list). Payloads travel as tagged
+        records; without their class here they decode to read-only
+        :class:`~arrow_outputs.Record` objects. Nothing is imported by a name in the data.
     """
-    from .outputs import (
-        CUDAGraphStat,
-        ECConnectorOutput,
-        KVConnectorOutput,
-        ModelRunnerOutput,
-    )
-
     if not isinstance(batch, pa.RecordBatch):
         raise FieldTypeError("batch", "a pyarrow.RecordBatch", describe(batch))
     schema = batch.schema
     check_format(schema)  # every batch: the run cache below ignores metadata
     types = _decode_types(schema)
-    meta = step_metadata(batch, custom_metadata)
+    meta, head_slice_ok = _resolve(batch, custom_metadata, missing_step_metadata)
+    allowed = allow_list(classes)
+    if validate not in (True, False):
+        raise FieldTypeError("validate", "True or False", describe(validate))
     if validate:
         try:
             batch.validate(full=True)
         except pa.ArrowInvalid as e:
             raise SchemaMismatchError("batch", "a valid Arrow record batch", str(e)) from e
+    rows = _check_rows(batch, meta, head_slice_ok)
+    _check_step_column(batch.column(0), meta["step"])
     n = batch.num_rows
-    column = batch.column
 
-    req_ids = column(1).to_numpy(zero_copy_only=False).tolist() if n else []
-    index = column(2).to_numpy()
-    # The writer's index column is 0..n-1; a cheap byte compare proves it and skips tolist.
-    req_id_to_index = dict(zip(req_ids, range(n) if _is_arange_values(index) else index.tolist()))
+    req_ids = batch.column(1).to_numpy(zero_copy_only=False).tolist() if n else []
+    req_id_to_index = dict(zip(req_ids, _range_list(n)))
+    if len(req_id_to_index) != n:
+        dup = next(r for r, count in Counter(req_ids).items() if count > 1)
+        raise ConsistencyError("req_id", "unique request ids", f"{dup!r} twice")
 
-    sampled_mode = meta.get("sampled_token_ids")
-    if sampled_mode == "none" or (sampled_mode is None and n and column(3).null_count == n):
-        sampled: list[Any] = []  # a pooling step
-    else:
-        sampled = _decode_sampled(column(3))
-
-    lp_layout = _layout(meta, "logprobs", batch, 4)
-    logprobs = (
-        None
-        if lp_layout is None
-        else decode_logprobs(column(4), lp_layout, "logprobs", validated=True)
-    )
-
-    prompt: dict[str, Any] = {}
-    prompt_layout = _layout(meta, "prompt_logprobs", batch, 5)
-    if prompt_layout is not None:
-        entries = decode_prompt_logprobs(column(5), prompt_layout, "prompt_logprobs")
-        none_rows = set(prompt_layout.get("none_rows", ()))
-        prompt = {req_ids[i]: e for i, e in enumerate(entries) if e is not None or i in none_rows}
-
-    tid: dict[str, Any] = {}
-    tid_kind = _layout(meta, "prompt_token_id_logprobs", batch, 6, "torch")
-    if tid_kind is not None:
-        rows = decode_tensor_rows(
-            column(6), types.prompt_token_id_logprobs, tid_kind, "prompt_token_id_logprobs"
-        )
-        tid = {req_ids[i]: r for i, r in enumerate(rows) if r is not None}
-
-    pooler_kind = _layout(meta, "pooler_output", batch, 7, "torch")
-    pooler = (
-        None
-        if pooler_kind is None
-        else decode_tensor_rows(column(7), types.pooler_output, pooler_kind, "pooler_output")
-    )
-
-    nans = None
-    if _layout(meta, "num_nans_in_logits", batch, 8, "dict") is not None:
-        values = column(8).to_pylist()
-        nans = {req_ids[i]: v for i, v in enumerate(values) if v is not None}
-
-    mask_layout = _layout(meta, "sampling_mask", batch, 9)
-    masks = (
-        None
-        if mask_layout is None
-        else decode_sampling_masks(column(9), mask_layout, "sampling_mask")
-    )
-
-    aux_layout = _layout(meta, "aux_output", batch, 10)
-    aux = None if aux_layout is None else _decode_aux(column(10), req_ids, types, aux_layout)
-
-    kv = meta.get("kv_connector_output")
-    ec = meta.get("ec_connector_output")
-    cg = meta.get("cudagraph_stats")
-    return ModelRunnerOutput(
-        req_ids=req_ids,
-        req_id_to_index=req_id_to_index,
-        sampled_token_ids=sampled,
-        logprobs=logprobs,
-        prompt_logprobs_dict=prompt,
-        prompt_token_id_logprobs_dict=tid,
-        pooler_output=pooler,
-        kv_connector_output=None
-        if kv is None
-        else KVConnectorOutput(**{k: from_jsonable(v) for k, v in kv.items() if k in _KV_FIELDS}),
-        ec_connector_output=None
-        if ec is None
-        else ECConnectorOutput(**{k: from_jsonable(v) for k, v in ec.items() if k in _EC_FIELDS}),
-        num_nans_in_logits=nans,
-        cudagraph_stats=None
-        if cg is None
-        else CUDAGraphStat(**{k: from_jsonable(v) for k, v in cg.items() if k in _CG_FIELDS}),
-        aux_output_connector_output=aux,
-        sampling_masks=masks,
-    )
-
-
-def _layout(
-    meta: dict[str, Any], key: str, batch: pa.RecordBatch, i: int, default: Any = None
-) -> Any:
-    """A field's layout facts: from the step metadata, else read off the column's nulls."""
-    if key in meta:
-        return meta[key]
-    col = batch.column(i)
-    if col.null_count < len(col):
-        return {} if default is None else default
-    return None
-
-
-def _is_arange_values(values: np.ndarray) -> bool:
-    """True for ``[0, 1, ..., n-1]``."""
-    return len(values) == 0 or (values.dtype == np.int32 and is_arange(values))
-
-
-def _decode_sampled(col: pa.Array) -> list[list[int]]:
-    if col.null_count:
-        raise SchemaMismatchError(
-            "sampled_token_ids",
-            "no nulls, or nulls in every row (a pooling step)",
-            f"{col.null_count} nulls of {len(col)}",
-        )
-    offs = list_offsets(col, np.int32)  # monotonic and in bounds: validated (or trusted)
-    lo, hi = int(offs[0]), int(offs[-1])
-    values = col.values.to_numpy()[lo:hi]
-    n = len(col)
-    if n and is_arange(offs, int(offs[1]) - lo):
-        # Uniform lengths (every decode step without speculation): one C-level tolist.
-        return values.reshape(n, -1).tolist()
-    flat = values.tolist()
-    bounds = (offs - lo).tolist()
-    return [flat[a:b] for a, b in itertools.pairwise(bounds)]
-
-
-def _decode_aux(
-    col: pa.Array, req_ids: list[str], types: ColumnTypes, layout: dict[str, Any]
-) -> dict[str, Any]:
-    from .outputs import AuxRequestOutput
-
-    starts = col.field(0).to_numpy(zero_copy_only=False).tolist()
-    valid = col.is_valid().to_numpy(zero_copy_only=False)
-    rows = decode_tensor_rows(
-        col.field(1), types.aux_rows, layout.get("kind", "numpy"), "aux_output.rows"
-    )
-    return {
-        req_ids[i]: AuxRequestOutput(starts[i], rows[i]) for i in range(len(req_ids)) if valid[i]
-    }
+    ctx = _Dec(req_ids, types, rows, meta["rows"], validate)
+    fields: dict[str, Any] = {}
+    for name, codec in _CODECS.items():
+        col = batch.column(name)
+        layout = meta[codec.meta_key]
+        if layout is None:
+            if col.null_count != len(col):
+                raise _claim(codec.meta_key, "None (absent)", col)
+            fields[codec.output_field] = codec.absent()
+        else:
+            fields[codec.output_field] = codec.decode(ctx, col, layout)
+    for key, cls in _STEP_CLASSES.items():
+        value = meta[key]
+        if value is not None:
+            path = f"arrow_outputs.step.{key}"
+            fields[key] = cls(
+                **{
+                    k: rebuild(from_jsonable(v, f"{path}.{k}"), allowed, f"{key}.{k}")
+                    for k, v in value.items()
+                }
+            )
+    return ModelRunnerOutput(req_ids=req_ids, req_id_to_index=req_id_to_index, **fields)

@@ -19,6 +19,7 @@ __all__ = [
     "OpaqueValueWarning",
     "SchemaMismatchError",
     "ShapeError",
+    "StepMetadataError",
     "UnsupportedValueError",
 ]
 
@@ -79,6 +80,12 @@ class UnsupportedValueError(ArrowOutputsError, ValueError):
 class SchemaMismatchError(ArrowOutputsError, ValueError):
     """A record batch or schema that is not this format's, or data that does not fit the
     run's schema (the schema is fixed at a run's first step)."""
+
+
+class StepMetadataError(SchemaMismatchError):
+    """Step metadata that is missing, malformed, or not the batch's own: an IPC batch read
+    without its custom metadata, a table's batch that inherited another batch's schema, or
+    JSON that breaks the format's rules. The message says how to read the batch correctly."""
 
 
 class FormatVersionError(ArrowOutputsError, ValueError):

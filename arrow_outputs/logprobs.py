@@ -291,9 +291,11 @@ def list_offsets(arr: pa.Array, dtype: type) -> np.ndarray:
     """The ``len(arr) + 1`` offsets of a (sliced) list array, zero-copy."""
     buf = arr.buffers()[1]
     need = arr.offset + len(arr) + 1
-    offs: np.ndarray = np.frombuffer(buf, dtype=dtype) if buf is not None else np.zeros(0, dtype)
-    if len(offs) < need:
-        raise OffsetsError("offsets", f"{need} offsets", f"a buffer of {len(offs)}")
+    have = 0 if buf is None else buf.size // np.dtype(dtype).itemsize
+    if have < need:
+        raise OffsetsError("offsets", f"{need} offsets", f"a buffer of {have}")
+    # count=: a buffer need not be a whole number of elements long (Arrow allows padding).
+    offs: np.ndarray = np.frombuffer(buf, dtype=dtype, count=need)
     return offs[arr.offset : need]
 
 
@@ -491,22 +493,32 @@ def encode_prompt_logprobs(
     return arr, {"empty_widths": empty_widths} if empty_widths else {}
 
 
-def decode_prompt_logprobs(arr: pa.Array, layout: dict[str, Any], field: str) -> list[Any]:
-    """Per-row ``LogprobsTensors`` (None for null rows): zero-copy torch views."""
+def decode_prompt_logprobs(arr: pa.Array, widths: dict[int, int], field: str) -> list[Any]:
+    """Per-row ``LogprobsTensors`` (None for null rows): zero-copy torch views.
+
+    ``widths`` gives the width of rows with no positions (the array cannot hold it); it may
+    name only such rows.
+    """
     from .outputs import LogprobsTensors
 
     _check_logprobs_type(arr, field)
     outer, struct = _list_parts(arr)
     check_monotonic(outer, field, limit=len(struct))
     valid = arr.is_valid().to_numpy(zero_copy_only=False) if arr.null_count else None
-    widths = layout.get("empty_widths", {})
+    for i in widths:
+        if (valid is not None and not valid[i]) or outer[i + 1] != outer[i]:
+            raise ShapeError(
+                f"{field}[{i}]",
+                "a present row with no positions (the step metadata gives its width)",
+                "a null row" if valid is not None and not valid[i] else "a row with positions",
+            )
     out: list[Any] = []
     for i in range(len(arr)):
         if valid is not None and not valid[i]:
             out.append(None)
             continue
         ids, lps, ranks = decode_positions(
-            struct, int(outer[i]), int(outer[i + 1]), f"{field}[{i}]", widths.get(str(i))
+            struct, int(outer[i]), int(outer[i + 1]), f"{field}[{i}]", widths.get(i)
         )
         t_ids, t_lps, t_ranks = (numpy_to_tensor(a, dtype_name(a.dtype)) for a in (ids, lps, ranks))
         out.append(LogprobsTensors(t_ids, t_lps, t_ranks))

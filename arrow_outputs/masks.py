@@ -25,9 +25,10 @@ from ._checks import (
     check_offsets,
     describe,
     host_array,
+    is_arange,
     offsets_from_list,
 )
-from .errors import FieldTypeError, SchemaMismatchError, ShapeError
+from .errors import FieldTypeError, OffsetsError, SchemaMismatchError, ShapeError
 from .logprobs import list_offsets
 
 __all__ = ["SAMPLING_MASK_TYPE", "sampling_masks_from_arrow", "sampling_masks_to_arrow"]
@@ -122,7 +123,16 @@ def decode_sampling_masks(arr: pa.Array, layout: dict[str, Any], field: str) -> 
     token_ids = np.frombuffer(buf, np.int32, count=values.offset + hi)[values.offset + lo :]
     # Rebase only when the array was sliced: a copy then, since offsets must start at 0.
     offsets = csr if lo == 0 else csr - lo
-    cu = (outer - p0).tolist() if layout.get("cu", True) else None
+    if layout.get("cu", True):
+        cu = (outer - p0).tolist()
+    elif not is_arange(outer - p0):
+        raise OffsetsError(
+            field,
+            "one position per request (cu_num_generated_tokens is None)",
+            f"offsets {(outer - p0)[:8].tolist()}",
+        )
+    else:
+        cu = None
     if not layout.get("offsets", True):
         if len(csr) != 2:
             raise ShapeError(

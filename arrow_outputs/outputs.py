@@ -456,6 +456,9 @@ class KVConnectorOutput:
         Connector-specific opaque objects.
     invalid_block_ids : set of int
         Blocks that failed to load.
+    failed_recving : set of str
+        Requests whose KV receive failed (keyed by request, unambiguous when block ids of
+        several cache pools overlap).
     expected_finished_count : int
         How many workers must report a request finished.
 
@@ -471,6 +474,7 @@ class KVConnectorOutput:
     kv_cache_events: Any = None
     kv_connector_worker_meta: Any = None
     invalid_block_ids: set[int] = field(default_factory=set)
+    failed_recving: set[str] = field(default_factory=set)
     expected_finished_count: int = 0
 
     def is_empty(self) -> bool:
@@ -487,6 +491,7 @@ class KVConnectorOutput:
             and not self.kv_connector_stats
             and not self.kv_cache_events
             and not self.invalid_block_ids
+            and not self.failed_recving
             and not self.kv_connector_worker_meta
         )
 
@@ -499,12 +504,15 @@ class ECConnectorOutput:
     ----------
     finished_sending, finished_recving : set of str or None
         Request ids whose encoder-cache transfer finished.
+    ec_connector_stats : object
+        Connector transfer statistics (vLLM's ``ECConnectorStats``, a dataclass).
     ec_connector_worker_meta : object
-        Connector-specific opaque object.
+        Connector-specific object.
     """
 
     finished_sending: set[str] | None = None
     finished_recving: set[str] | None = None
+    ec_connector_stats: Any = None
     ec_connector_worker_meta: Any = None
 
     def is_empty(self) -> bool:
@@ -518,6 +526,7 @@ class ECConnectorOutput:
         return (
             not self.finished_sending
             and not self.finished_recving
+            and not self.ec_connector_stats
             and not self.ec_connector_worker_meta
         )
 
@@ -692,18 +701,13 @@ class AsyncModelRunnerOutput(ABC):
         This method should only be called once per AsyncModelRunnerOutput.
         """
 
+    @abstractmethod
     def get_kv_connector_output(self) -> KVConnectorOutput | None:
-        """Return the step's KV connector output, if known early.
+        """Get the underlying kv_connector_output.
 
-        An implementation that knows it before its device-to-host copies finish can
-        return it here, so the scheduler can act on finished transfers early.
-
-        Returns
-        -------
-        KVConnectorOutput or None
-            ``None`` (the default) when the implementation does not know it early.
+        When get_output() fails, this is used to salvage the step's KV
+        output instead of losing it with the failure.
         """
-        return None
 
 
 @dataclass

@@ -39,7 +39,7 @@ __all__ = [
 
 FORMAT_NAME = "arrow_outputs.model_runner_output"
 #: MAJOR.MINOR. Readers refuse a newer MAJOR; a newer MINOR only adds optional things.
-FORMAT_VERSION = "1.0"
+FORMAT_VERSION = "1.1"
 
 KEY_FORMAT = b"arrow_outputs.format"
 KEY_VERSION = b"arrow_outputs.version"
@@ -176,8 +176,37 @@ def output_schema(
 def run_metadata(schema_or_batch: pa.Schema | pa.RecordBatch | pa.Table) -> dict[str, Any]:
     """The user run metadata stored by :func:`output_schema` (``{}`` when there is none)."""
     schema = getattr(schema_or_batch, "schema", schema_or_batch)
+    if not isinstance(schema, pa.Schema):
+        raise FieldTypeError(
+            "schema_or_batch", "a pyarrow Schema, RecordBatch or Table", repr(schema_or_batch)[:60]
+        )
     raw = (schema.metadata or {}).get(KEY_RUN)
-    return {} if raw is None else dict(json.loads(raw))
+    if raw is None:
+        return {}
+    path = "schema.metadata[arrow_outputs.run]"
+    try:
+        value = json.loads(_utf8(raw, path))
+    except (ValueError, RecursionError) as e:
+        raise SchemaMismatchError(path, "a JSON object", str(e)[:80]) from e
+    if type(value) is not dict:
+        raise SchemaMismatchError(path, "a JSON object", type(value).__name__)
+    return value
+
+
+def _shown(raw: bytes) -> str:
+    """Metadata bytes for a message: the text when it is UTF-8, else the bytes' repr."""
+    try:
+        text = repr(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        text = repr(raw)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _utf8(raw: bytes, path: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SchemaMismatchError(path, "UTF-8 text", f"bytes that are not UTF-8 ({e})") from e
 
 
 def check_format(schema: pa.Schema) -> None:
@@ -188,9 +217,9 @@ def check_format(schema: pa.Schema) -> None:
         raise SchemaMismatchError(
             "schema.metadata[arrow_outputs.format]",
             repr(FORMAT_NAME),
-            "no such key (not an arrow_outputs batch)" if name is None else repr(name.decode()),
+            "no such key (not an arrow_outputs batch)" if name is None else _shown(name),
         )
-    version = meta.get(KEY_VERSION, b"").decode()
+    version = _utf8(meta.get(KEY_VERSION, b""), "schema.metadata[arrow_outputs.version]")
     try:
         major = int(version.split(".")[0])
     except ValueError:
@@ -251,8 +280,24 @@ def column_types(schema: pa.Schema) -> ColumnTypes:
     expected = _columns_schema(types)
     for want, got in zip(expected, schema):
         if not want.equals(got, check_metadata=True):
-            raise SchemaMismatchError(want.name, str(want.type), str(got.type))
+            raise SchemaMismatchError(want.name, *_difference(want, got))
     return types
+
+
+def _difference(want: pa.Field, got: pa.Field) -> tuple[str, str]:
+    """(expected, got) naming what differs between two fields: type, nullability, metadata."""
+    if not want.type.equals(got.type):
+        return str(want.type), str(got.type)
+    if want.nullable != got.nullable:
+        return f"nullable={want.nullable}", f"nullable={got.nullable}"
+    for child_want, child_got in zip(_children(want.type), _children(got.type)):
+        if not child_want.equals(child_got, check_metadata=True):
+            return _difference(child_want, child_got)
+    return f"field metadata {want.metadata}", f"field metadata {got.metadata}"
+
+
+def _children(t: pa.DataType) -> list[pa.Field]:
+    return [t.field(i) for i in range(t.num_fields)]
 
 
 def infer_column_types(output: Any) -> ColumnTypes:

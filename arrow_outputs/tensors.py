@@ -81,7 +81,9 @@ class TensorSpec:
     def from_field(field: pa.Field) -> TensorSpec:
         """Read the spec back from a schema field; refuses fields of another layout."""
         meta = field.metadata or {}
-        dtype = meta.get(DTYPE_KEY, b"").decode()
+        # Bytes from a file: compared against the table, never decoded or looked up.
+        raw = meta.get(DTYPE_KEY, b"")
+        dtype = next((name for name in TENSOR_DTYPES if name.encode() == raw), "")
         t = field.type
         spec: TensorSpec | None = None
         if dtype in TENSOR_DTYPES:
@@ -278,10 +280,14 @@ def decode_tensor_rows(arr: pa.Array, spec: TensorSpec, kind: str, field: str) -
         )
         return rows if valid is None else [r if v else None for r, v in zip(rows, valid)]
     data, shape_arr = arr.field(0), arr.field(1)
-    offs = np.frombuffer(data.buffers()[1], np.int32)[data.offset : data.offset + n + 1]
-    if len(offs) != n + 1:
-        raise OffsetsError(f"{field}.data", f"{n + 1} offsets", str(len(offs)))
+    offs = _view(data, np.dtype(np.int32), data.offset, n + 1, f"{field}.data", index=1)
     check_monotonic(offs, f"{field}.data", limit=len(data.values))
+    present = np.ones(n, dtype=bool) if valid is None else valid
+    for name, part in (("data", data), ("shape", shape_arr)):
+        if part.null_count and (present & ~part.is_valid().to_numpy(zero_copy_only=False)).any():
+            raise SchemaMismatchError(f"{field}.{name}", "a value in every present row", "a null")
+    if shape_arr.values.null_count:
+        raise SchemaMismatchError(f"{field}.shape", "no null dimensions", "nulls")
     vals = data.values
     flat = _view(vals, np_dtype, vals.offset + int(offs[0]), int(offs[-1] - offs[0]), field)
     shapes = _view(
@@ -300,14 +306,17 @@ def decode_tensor_rows(arr: pa.Array, spec: TensorSpec, kind: str, field: str) -
             continue
         lo, hi = int(offs[i]) - first, int(offs[i + 1]) - first
         shape = tuple(int(s) for s in shapes[i])
-        if math.prod(shape) != hi - lo:
+        if min(shape, default=0) < 0 or math.prod(shape) != hi - lo:
             raise ShapeError(f"{field}[{i}]", f"{hi - lo} elements", f"shape {shape}")
         out.append(whole[lo:hi].reshape(shape))
     return out
 
 
-def _view(child: pa.Array, dtype: np.dtype, start: int, count: int, field: str) -> np.ndarray:
-    buf = child.buffers()[1]
+def _view(
+    child: pa.Array, dtype: np.dtype, start: int, count: int, field: str, index: int = 1
+) -> np.ndarray:
+    """``count`` values of ``child``'s buffer ``index`` from ``start``, bounds checked."""
+    buf = child.buffers()[index]
     have = 0 if buf is None else buf.size // dtype.itemsize
     if start < 0 or start + count > have:
         raise OffsetsError(field, f"values within a buffer of {have}", f"{start + count}")

@@ -45,8 +45,10 @@ from arrow_outputs import (
     make_empty_encoder_model_runner_output,
     output_schema,
     run_metadata,
+    run_schema,
     sampling_masks_from_arrow,
     sampling_masks_to_arrow,
+    step_custom_metadata,
     step_metadata,
     to_record_batch,
 )
@@ -519,28 +521,29 @@ CASES: list[Callable[[], ModelRunnerOutput]] = [
 ]
 
 
-def _ipc_bytes(batches: list[pa.RecordBatch], *, custom: bool = False) -> pa.Buffer:
+def _ipc_bytes(batches: list[pa.RecordBatch]) -> pa.Buffer:
+    """A stream written the documented way: the run schema, each step's metadata per message."""
     sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, batches[0].schema) as writer:
+    with pa.ipc.new_stream(sink, run_schema(batches[0])) as writer:
         for b in batches:
-            if custom:
-                meta = {KEY_STEP: b.schema.metadata[KEY_STEP]}
-                writer.write_batch(b, custom_metadata=meta)
-            else:
-                writer.write_batch(b)
+            writer.write_batch(b, custom_metadata=step_custom_metadata(b))
     return sink.getvalue()
 
 
-def _ipc(batch: pa.RecordBatch) -> pa.RecordBatch:
-    """The batch after an IPC stream round trip (its buffers now live in the stream bytes)."""
-    return pa.ipc.open_stream(_ipc_bytes([batch])).read_next_batch()
+def _ipc(batch: pa.RecordBatch) -> tuple[pa.RecordBatch, Any]:
+    """The batch after an IPC stream round trip (its buffers now live in the stream bytes),
+    with its message's custom metadata."""
+    return pa.ipc.open_stream(_ipc_bytes([batch])).read_next_batch_with_custom_metadata()
+
+
+def _decode_ipc(batch: pa.RecordBatch, **kw: Any) -> ModelRunnerOutput:
+    read, meta = _ipc(batch)
+    return from_record_batch(read, custom_metadata=meta, **kw)
 
 
 def _roundtrip(out: Any, path: str, **kw: Any) -> ModelRunnerOutput:
     batch = to_record_batch(out, step=42, **kw)
-    if path == "ipc":
-        batch = _ipc(batch)
-    return from_record_batch(batch)
+    return _decode_ipc(batch) if path == "ipc" else from_record_batch(batch)
 
 
 # --------------------------------------------------------------------------- lossless
@@ -742,12 +745,12 @@ def test_from_record_batch_zero_row_step_keeps_step_data(path: str) -> None:
     out = _empty_with_kv()
     out.ec_connector_output = ECConnectorOutput(finished_recving={"mm"})
     out.cudagraph_stats = CUDAGraphStat(0, 8, 8, "FULL")
-    batch = to_record_batch(out, step=7)
+    batch, meta = to_record_batch(out, step=7), None
     if path == "ipc":
-        batch = _ipc(batch)
+        batch, meta = _ipc(batch)
     assert batch.num_rows == 0
-    assert step_metadata(batch)["step"] == 7
-    back = from_record_batch(batch)
+    assert step_metadata(batch, meta)["step"] == 7
+    back = from_record_batch(batch, custom_metadata=meta)
     assert back.kv_connector_output == out.kv_connector_output
     assert back.kv_connector_output.invalid_block_ids == {3, 17}
     assert back.cudagraph_stats == CUDAGraphStat(0, 8, 8, "FULL")
@@ -756,7 +759,7 @@ def test_from_record_batch_zero_row_step_keeps_step_data(path: str) -> None:
 
 def test_from_record_batch_encoder_only_step() -> None:
     out = _encoder_only()
-    back = from_record_batch(_ipc(to_record_batch(out, step=1)))
+    back = _decode_ipc(to_record_batch(out, step=1))
     assert back.req_ids == ["e0", "e1", "e2"]
     assert back.sampled_token_ids == [[], [], []]
     assert back.pooler_output == [None, None, None]
@@ -787,8 +790,8 @@ def test_to_record_batch_pooler_views_zero_copy(dtype: torch.dtype) -> None:
 
     rowbytes = hidden * pooled.element_size()
     bits = _TORCH_BITS[pooled.element_size()]
-    for decoded in (batch, _ipc(batch)):
-        rows = from_record_batch(decoded).pooler_output
+    for back in (from_record_batch(batch), _decode_ipc(batch)):
+        rows = back.pooler_output
         assert all(type(r) is torch.Tensor and r.dtype == dtype for r in rows)
         for i, r in enumerate(rows):
             assert r.data_ptr() == rows[0].data_ptr() + i * rowbytes
@@ -799,7 +802,7 @@ def test_to_record_batch_pooler_views_zero_copy(dtype: torch.dtype) -> None:
 
 def test_from_record_batch_prompt_token_id_logprobs_keep_neg_inf() -> None:
     out = _prompt_token_id_logprobs()
-    back = from_record_batch(_ipc(to_record_batch(out)))
+    back = _decode_ipc(to_record_batch(out))
     row = back.prompt_token_id_logprobs_dict["c"]
     assert row.dtype == torch.float32
     assert tuple(row.shape) == (2, 3)
@@ -811,7 +814,7 @@ def test_from_record_batch_prompt_token_id_logprobs_keep_neg_inf() -> None:
 def test_from_record_batch_aux_rows(dtype: type) -> None:
     out = _aux_uint8() if dtype is np.uint8 else _aux_uint16()
     batch = to_record_batch(out, step=3)
-    back = from_record_batch(_ipc(batch))
+    back = _decode_ipc(batch)
     assert set(back.aux_output_connector_output) == set(out.aux_output_connector_output)
     for rid, aux in back.aux_output_connector_output.items():
         assert type(aux) is AuxRequestOutput
@@ -842,8 +845,8 @@ def test_from_record_batch_ipc_arrays_read_only_without_warning() -> None:
     data = _ipc_bytes([to_record_batch(out, step=1)])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        batch = pa.ipc.open_stream(data).read_next_batch()
-        back = from_record_batch(batch)
+        batch, meta = pa.ipc.open_stream(data).read_next_batch_with_custom_metadata()
+        back = from_record_batch(batch, custom_metadata=meta)
     seen = 0
     for name, arr in _numpy_arrays(back):
         assert type(arr) is np.ndarray, name
@@ -879,9 +882,9 @@ def test_to_record_batch_logprobs_zero_copy(ids: type) -> None:
 
 
 def test_from_record_batch_logprobs_point_into_ipc_buffers() -> None:
-    batch = _ipc(to_record_batch(_speculative()))
+    batch, meta = _ipc(to_record_batch(_speculative()))
     struct = batch.column("logprobs").values
-    back = from_record_batch(batch)
+    back = from_record_batch(batch, custom_metadata=meta)
     lp = back.logprobs
     assert lp.logprob_token_ids.ctypes.data == struct.field("token_ids").values.buffers()[1].address
     assert lp.logprobs.ctypes.data == struct.field("logprobs").values.buffers()[1].address
@@ -924,7 +927,7 @@ def test_to_record_batch_schema_stable_across_steps() -> None:
     widths = [step_metadata(b)["logprobs"] for b in batches]
     assert [w and w["width"] for w in widths] == [6, 21, None]
 
-    reader = pa.ipc.open_stream(_ipc_bytes(batches, custom=True))
+    reader = pa.ipc.open_stream(_ipc_bytes(batches))
     assert run_metadata(reader.schema) == {"model": "tiny"}
     for i, src in enumerate(steps):
         batch, meta = reader.read_next_batch_with_custom_metadata()
@@ -983,6 +986,7 @@ class VllmKVConnectorOutput:
     kv_cache_events: Any = None
     kv_connector_worker_meta: Any = None
     invalid_block_ids: set[int] = dataclasses.field(default_factory=set)
+    failed_recving: set[str] = dataclasses.field(default_factory=set)
     expected_finished_count: int = 0
 
 
@@ -990,6 +994,7 @@ class VllmECConnectorOutput:
     def __init__(self, finished_sending: Any = None, finished_recving: Any = None) -> None:
         self.finished_sending = finished_sending
         self.finished_recving = finished_recving
+        self.ec_connector_stats = None
         self.ec_connector_worker_meta = None
 
 
@@ -1123,7 +1128,7 @@ def test_to_record_batch_opaque_drop_warns_and_records() -> None:
     type_name = f"{ConnectorStats.__module__}.{ConnectorStats.__qualname__}"
     dropped = step_metadata(batch)["dropped"]
     assert dropped == [{"field": "kv_connector_output.kv_connector_stats", "type": type_name}]
-    back = from_record_batch(_ipc(batch))
+    back = _decode_ipc(batch)
     assert back.kv_connector_output.kv_connector_stats is None
     assert back.kv_connector_output.finished_sending == {"x"}
     assert back.kv_connector_output.invalid_block_ids == {5}
@@ -1175,10 +1180,13 @@ def _plain_data_output() -> ModelRunnerOutput:
         kv_cache_events=("stored", 2, None, (3, 4)),
         kv_connector_worker_meta={"rank": 0, "blocks": [[1, 2], [3]]},
         invalid_block_ids={4, 5},
+        failed_recving={"r9"},
         expected_finished_count=3,
     )
     out.ec_connector_output = ECConnectorOutput(
-        finished_recving={"r2"}, ec_connector_worker_meta={"k": [1.5, 2.5]}
+        finished_recving={"r2"},
+        ec_connector_stats={"loads": [0.5]},
+        ec_connector_worker_meta={"k": [1.5, 2.5]},
     )
     out.cudagraph_stats = CUDAGraphStat(10, 16, 6, "FULL")
     return out
@@ -1188,8 +1196,8 @@ def _plain_data_output() -> ModelRunnerOutput:
 def test_to_record_batch_plain_connector_data_roundtrips(path: str) -> None:
     out = _plain_data_output()
     batch = to_record_batch(out, opaque="error")  # plain data is never "opaque"
-    assert "dropped" not in step_metadata(batch)
-    back = from_record_batch(_ipc(batch) if path == "ipc" else batch)
+    assert step_metadata(batch)["dropped"] == []
+    back = _decode_ipc(batch) if path == "ipc" else from_record_batch(batch)
     stats = back.kv_connector_output.kv_connector_stats
     assert type(stats["nested"]["pair"]) is tuple
     assert type(stats["nested"]["ids"]) is set
@@ -1223,7 +1231,7 @@ def test_to_record_batch_never_pickles(monkeypatch: pytest.MonkeyPatch) -> None:
         pickle.dumps(out)  # the patches are live
 
     batch = to_record_batch(out, step=1)
-    back = from_record_batch(pa.ipc.open_stream(_ipc_bytes([batch], custom=True)).read_next_batch())
+    back = _decode_ipc(batch)
     monkeypatch.undo()
     assert_same_output(out, back)
 
@@ -1259,9 +1267,10 @@ out = ao.ModelRunnerOutput(
 batch = ao.to_record_batch(out, step=0)
 assert "torch" not in sys.modules, "to_record_batch imported torch"
 sink = pa.BufferOutputStream()
-with pa.ipc.new_stream(sink, batch.schema) as w:
-    w.write_batch(batch)
-back = ao.from_record_batch(pa.ipc.open_stream(sink.getvalue()).read_next_batch())
+with pa.ipc.new_stream(sink, ao.run_schema(batch)) as w:
+    w.write_batch(batch, custom_metadata=ao.step_custom_metadata(batch))
+read, meta = pa.ipc.open_stream(sink.getvalue()).read_next_batch_with_custom_metadata()
+back = ao.from_record_batch(read, custom_metadata=meta)
 assert "torch" not in sys.modules, "from_record_batch imported torch"
 assert back.sampled_token_ids == [[1, 2], [], [3]]
 assert back.aux_output_connector_output["b"].rows.dtype == np.uint16

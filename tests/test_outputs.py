@@ -164,6 +164,7 @@ def test_kv_connector_output_fields() -> None:
         ("kv_cache_events", None),
         ("kv_connector_worker_meta", None),
         ("invalid_block_ids", "factory:set"),
+        ("failed_recving", "factory:set"),
         ("expected_finished_count", 0),
     )
 
@@ -178,6 +179,7 @@ def test_ec_connector_output_fields() -> None:
     assert _dataclass_spec(ECConnectorOutput) == (
         ("finished_sending", None),
         ("finished_recving", None),
+        ("ec_connector_stats", None),
         ("ec_connector_worker_meta", None),
     )
 
@@ -586,6 +588,7 @@ KV_NON_EMPTY = {
     "kv_cache_events": ["event"],
     "kv_connector_worker_meta": "meta",
     "invalid_block_ids": {7},
+    "failed_recving": {"r3"},
 }
 
 
@@ -607,6 +610,7 @@ def test_kv_connector_output_is_empty_each_field(name: str, value: Any) -> None:
         ("kv_cache_events", []),
         ("kv_connector_worker_meta", 0),
         ("invalid_block_ids", set()),
+        ("failed_recving", set()),
         ("expected_finished_count", 3),
     ],
 )
@@ -616,7 +620,12 @@ def test_kv_connector_output_is_empty_falsy_fields(name: str, value: Any) -> Non
 
 @pytest.mark.parametrize(
     ("name", "value"),
-    [("finished_sending", {"a"}), ("finished_recving", {"b"}), ("ec_connector_worker_meta", [1])],
+    [
+        ("finished_sending", {"a"}),
+        ("finished_recving", {"b"}),
+        ("ec_connector_stats", {"loads": [1.0]}),
+        ("ec_connector_worker_meta", [1]),
+    ],
 )
 def test_ec_connector_output_is_empty_each_field(name: str, value: Any) -> None:
     assert ECConnectorOutput().is_empty()
@@ -731,27 +740,19 @@ def test_make_empty_encoder_model_runner_output_requests() -> None:
 
 
 def test_async_model_runner_output_abstract() -> None:
-    assert AsyncModelRunnerOutput.__abstractmethods__ == frozenset({"get_output"})
+    # vLLM 0.33: both methods are abstract (get_kv_connector_output salvages a failed step).
+    assert AsyncModelRunnerOutput.__abstractmethods__ == frozenset(
+        {"get_output", "get_kv_connector_output"}
+    )
     with pytest.raises(TypeError):
         AsyncModelRunnerOutput()  # type: ignore[abstract]
 
-    class NoGetOutput(AsyncModelRunnerOutput):
-        pass
+    class OnlyGetOutput(AsyncModelRunnerOutput):
+        def get_output(self) -> ModelRunnerOutput:
+            return EMPTY_MODEL_RUNNER_OUTPUT
 
     with pytest.raises(TypeError):
-        NoGetOutput()  # type: ignore[abstract]
-
-
-def test_async_model_runner_output_subclass_with_get_output() -> None:
-    result = ModelRunnerOutput(req_ids=["r"], req_id_to_index={"r": 0}, sampled_token_ids=[[3]])
-
-    class Done(AsyncModelRunnerOutput):
-        def get_output(self) -> ModelRunnerOutput:
-            return result
-
-    done = Done()
-    assert done.get_output() is result
-    assert done.get_kv_connector_output() is None
+        OnlyGetOutput()  # type: ignore[abstract]
 
 
 def test_async_model_runner_output_get_kv_connector_output_override() -> None:
@@ -765,6 +766,7 @@ def test_async_model_runner_output_get_kv_connector_output_override() -> None:
             return kv
 
     assert Early().get_kv_connector_output() is kv
+    assert Early().get_output() is EMPTY_MODEL_RUNNER_OUTPUT
 
 
 # --------------------------------------------------------------------------- errors

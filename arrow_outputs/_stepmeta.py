@@ -1,0 +1,260 @@
+"""The step JSON: its structure rules, and whose batch a piece of step metadata belongs to.
+
+Step metadata travels in two places: an in-memory batch's schema metadata (what
+:func:`~arrow_outputs.to_record_batch` returns) and an IPC message's custom metadata (what a
+stream or file carries per batch). A schema is shared by every batch of a stream or table,
+so step metadata found in a schema is trusted only for the very batch that was made with
+it: :func:`register` remembers the step column buffer that ``to_record_batch`` allocated
+for that batch, and :func:`owns` proves a batch (or a slice of it) still holds that buffer.
+
+Everything read from the JSON is untrusted: :func:`parse` checks every key, type and bound
+before any of it is used, and names the metadata path of the first violation.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from .errors import StepMetadataError
+
+__all__ = ["owns", "parse", "register"]
+
+INT32_MAX = 2**31 - 1
+INT64 = (-(2**63), 2**63 - 1)
+TENSOR_KINDS = ("torch", "numpy")
+
+Check = Callable[[Any, str], Any]
+
+
+def _text(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _int(lo: int, hi: int) -> Check:
+    def check(v: Any, path: str) -> Any:
+        if type(v) is not int or not lo <= v <= hi:
+            raise StepMetadataError(path, f"an int within {lo}..{hi}", _text(v))
+        return v
+
+    return check
+
+
+def _one_of(*values: Any) -> Check:
+    def check(v: Any, path: str) -> Any:
+        if type(v) not in (str, bool) or v not in values:
+            raise StepMetadataError(path, " or ".join(repr(x) for x in values), _text(v))
+        return v
+
+    return check
+
+
+def _optional(inner: Check) -> Check:
+    def check(v: Any, path: str) -> Any:
+        return None if v is None else inner(v, path)
+
+    return check
+
+
+def _any(v: Any, path: str) -> Any:
+    return v  # connector values: checked when decoded (_jsonish.from_jsonable)
+
+
+def _obj(spec: dict[str, Check], required: tuple[str, ...] = ()) -> Check:
+    def check(v: Any, path: str) -> Any:
+        if type(v) is not dict:
+            raise StepMetadataError(path, "a JSON object", _text(v))
+        unknown = [k for k in v if k not in spec]
+        if unknown:
+            raise StepMetadataError(
+                path, f"keys among {', '.join(spec)}", f"unknown key {unknown[0]!r}"
+            )
+        missing = [k for k in required if k not in v]
+        if missing:
+            raise StepMetadataError(path, f"the key {missing[0]!r}", "no such key")
+        return {k: spec[k](val, f"{path}.{k}") for k, val in v.items()}
+
+    return check
+
+
+def _list_of(inner: Check) -> Check:
+    def check(v: Any, path: str) -> Any:
+        if type(v) is not list:
+            raise StepMetadataError(path, "a JSON array", _text(v))
+        return [inner(x, f"{path}[{i}]") for i, x in enumerate(v)]
+
+    return check
+
+
+def _row_keyed(inner: Check) -> Check:
+    """An object keyed by row numbers written as decimal strings ("0", "17")."""
+
+    def check(v: Any, path: str) -> Any:
+        if type(v) is not dict:
+            raise StepMetadataError(path, "a JSON object keyed by row", _text(v))
+        for k, val in v.items():
+            if not (k.isascii() and k.isdigit() and len(k) <= 10 and str(int(k)) == k):
+                raise StepMetadataError(path, "row numbers as keys", _text(k))
+            inner(val, f"{path}[{k}]")
+        return v
+
+    return check
+
+
+def _string(v: Any, path: str) -> Any:
+    if type(v) is not str:
+        raise StepMetadataError(path, "a string", _text(v))
+    return v
+
+
+_WIDTH = _int(0, INT32_MAX)
+
+_LOGPROBS = _obj(
+    {
+        "kind": _one_of("lists", "tensors"),
+        "cu": _one_of("list", "tensor", "none"),
+        "width": _WIDTH,
+        "cu_dtype": _one_of("int32", "int64"),
+    },
+    required=("kind", "cu", "width"),
+)
+
+
+def _logprobs(v: Any, path: str) -> Any:
+    out = _LOGPROBS(v, path)
+    if (out["cu"] == "tensor") != ("cu_dtype" in out):
+        raise StepMetadataError(
+            f"{path}.cu_dtype",
+            "present exactly when cu is 'tensor'",
+            "present" if "cu_dtype" in out else "absent",
+        )
+    return out
+
+
+def _connector(fields: tuple[str, ...], required: tuple[str, ...] = ()) -> Check:
+    return _obj({name: _any for name in fields}, required)
+
+
+def step_spec(
+    kv_fields: tuple[str, ...], ec_fields: tuple[str, ...], cg_fields: tuple[str, ...]
+) -> dict[str, Check]:
+    """The top-level keys of the step JSON and their rules (``docs/schema.md``)."""
+    return {
+        "step": _optional(_int(*INT64)),
+        "rows": _int(0, INT32_MAX),
+        "sampled_token_ids": _one_of("none", "lists"),
+        "logprobs": _optional(_logprobs),
+        "prompt_logprobs": _optional(
+            _obj(
+                {"none_rows": _list_of(_int(0, INT32_MAX)), "empty_widths": _row_keyed(_WIDTH)},
+                required=("none_rows",),
+            )
+        ),
+        "prompt_token_id_logprobs": _optional(_one_of(*TENSOR_KINDS)),
+        "pooler_output": _optional(_one_of(*TENSOR_KINDS)),
+        "num_nans_in_logits": _optional(_one_of("dict")),
+        "sampling_mask": _optional(
+            _obj({"offsets": _one_of(True, False), "cu": _one_of(True, False)}, ("offsets", "cu"))
+        ),
+        "aux_output": _optional(_obj({"kind": _one_of(*TENSOR_KINDS)}, ("kind",))),
+        "kv_connector_output": _optional(_connector(kv_fields)),
+        "ec_connector_output": _optional(_connector(ec_fields)),
+        "cudagraph_stats": _optional(_connector(cg_fields, cg_fields)),
+        "dropped": _list_of(_obj({"field": _string, "type": _string}, ("field", "type"))),
+    }
+
+
+#: Keys a writer of format 1.0 left out when their field was empty; they read as None.
+OPTIONAL_KEYS = ("prompt_logprobs", "prompt_token_id_logprobs", "dropped")
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def parse(raw: Any, path: str, spec: dict[str, Check]) -> dict[str, Any]:
+    """The step JSON at ``path`` (bytes from a file), checked against ``spec``."""
+    if type(raw) is str:
+        text = raw
+    elif isinstance(raw, (bytes, bytearray, memoryview)):
+        try:
+            text = bytes(raw).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise StepMetadataError(path, "UTF-8 JSON", f"bytes that are not UTF-8 ({e})") from e
+    else:
+        raise StepMetadataError(path, "JSON bytes", _text(raw))
+    try:
+        meta = json.loads(text, parse_constant=_reject_constant)
+    except RecursionError as e:
+        raise StepMetadataError(path, "JSON of bounded depth", "nesting too deep to parse") from e
+    except ValueError as e:
+        raise StepMetadataError(path, "JSON", str(e)) from e
+    if type(meta) is not dict:
+        raise StepMetadataError(path, "a JSON object", type(meta).__name__)
+    for key in spec:
+        if key not in meta and key not in OPTIONAL_KEYS:
+            raise StepMetadataError(f"{path}.{key}", "a value (the key is required)", "no such key")
+    unknown = [k for k in meta if k not in spec]
+    if unknown:
+        raise StepMetadataError(
+            path,
+            "the keys of this format version (docs/schema.md)",
+            f"unknown key {unknown[0]!r} (written by a newer arrow_outputs?)",
+        )
+    out = {key: spec[key](meta[key], f"{path}.{key}") if key in meta else None for key in spec}
+    if out["dropped"] is None:
+        out["dropped"] = []
+    return out
+
+
+# ------------------------------------------------------------------------------- ownership
+
+# step column buffer address -> (weak reference to its numpy array, size, step JSON)
+_OWNED: dict[int, tuple[weakref.ref[np.ndarray], int, bytes]] = {}
+_LOCK = threading.Lock()
+
+
+def _forget(address: int, ref: weakref.ref[np.ndarray]) -> None:
+    with _LOCK:
+        entry = _OWNED.get(address)
+        if entry is not None and entry[0] is ref:
+            del _OWNED[address]
+
+
+def register(values: np.ndarray, raw: bytes) -> None:
+    """Remember that step metadata ``raw`` belongs to the batch whose step column owns
+    ``values`` (a fresh array per batch). The entry goes when the array is freed."""
+    address = values.__array_interface__["data"][0]
+
+    def forget(r: weakref.ref[np.ndarray]) -> None:
+        _forget(address, r)
+
+    ref = weakref.ref(values, forget)
+    with _LOCK:
+        _OWNED[address] = (ref, values.nbytes, raw)
+
+
+def owns(step_column: pa.Array, raw: bytes) -> bool:
+    """True when ``raw`` is the step metadata ``to_record_batch`` made for the batch whose
+    step column is ``step_column`` (the batch itself or a slice of it).
+
+    A live buffer has one address, so a batch read from IPC, or one that inherited a schema
+    from another batch (a table, a stream), never passes.
+    """
+    buffers = step_column.buffers()
+    buf = buffers[1] if len(buffers) > 1 else None
+    if buf is None:
+        return False
+    with _LOCK:
+        entry = _OWNED.get(buf.address)
+    if entry is None:
+        return False
+    ref, size, own = entry
+    return ref() is not None and buf.size == size and own == raw
