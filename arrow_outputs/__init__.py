@@ -21,6 +21,7 @@ from .batch import (
     step_metadata,
     to_record_batch,
 )
+from .compare import assert_outputs_equal, first_difference, outputs_equal
 from .errors import (
     ArrowOutputsError,
     ConsistencyError,
@@ -93,13 +94,16 @@ __all__ = [
     "TensorSpec",
     "UnsupportedValueError",
     "__version__",
+    "assert_outputs_equal",
     "column_types",
+    "first_difference",
     "from_record_batch",
     "infer_schema",
     "logprobs_from_arrow",
     "logprobs_to_arrow",
     "make_empty_encoder_model_runner_output",
     "output_schema",
+    "outputs_equal",
     "run_metadata",
     "run_schema",
     "sampling_masks_from_arrow",
