@@ -82,7 +82,7 @@ def test_from_record_batch_refuses_batches_of_a_table() -> None:
         for b in batches:
             w.write_batch(b)
     for b in pa.ipc.open_stream(sink.getvalue()).read_all().to_batches():
-        with pytest.raises(StepMetadataError, match="no arrow_outputs.step key"):
+        with pytest.raises(StepMetadataError, match=r"no arrow_outputs\.step key"):
             ao.from_record_batch(b)
 
 
@@ -409,7 +409,7 @@ def test_from_record_batch_refuses_aux_row_without_rows() -> None:
         rows.type, 1, [pa.py_buffer(np.zeros(1, np.uint8))], children=[rows.field(0), rows.field(1)]
     )
     broken = pa.StructArray.from_arrays([aux.field(0), null_rows], fields=list(aux.type))
-    with pytest.raises(SchemaMismatchError, match="aux_output.rows"):
+    with pytest.raises(SchemaMismatchError, match=r"aux_output\.rows"):
         ao.from_record_batch(
             _replace_column(batch, "aux_output", broken),
             custom_metadata=ao.step_custom_metadata(batch),
@@ -540,7 +540,7 @@ def test_to_record_batch_refuses_unknown_fields_by_name() -> None:
     assert info.value.field == "output.speculative_hidden"
     kv = OldKV()
     kv.transfer_ids = {4}  # type: ignore[attr-defined]
-    with pytest.raises(UnsupportedValueError, match="kv_connector_output.transfer_ids"):
+    with pytest.raises(UnsupportedValueError, match=r"kv_connector_output\.transfer_ids"):
         ao.to_record_batch(_out(kv_connector_output=kv))
     # A field that is None carries nothing: accepted.
     newer.speculative_hidden = None  # type: ignore[attr-defined]
