@@ -553,6 +553,10 @@ def _dec_sampled(c: _Dec, col: pa.Array, mode: str) -> Any:
         )
     offs = list_offsets(col, np.int32)  # monotonic and in bounds: validated (or trusted)
     lo, hi = int(offs[0]), int(offs[-1])
+    if col.values.null_count or not 0 <= lo <= hi <= len(col.values):
+        raise SchemaMismatchError(
+            "sampled_token_ids", "token ids within the values, none null", f"ids {lo}..{hi}"
+        )
     values = _values_of(col.values, lo, hi)
     n = len(col)
     if n and is_arange(offs, int(offs[1]) - lo):
@@ -618,7 +622,8 @@ def _dec_aux(c: _Dec, col: pa.Array, layout: dict[str, Any]) -> Any:
             raise SchemaMismatchError(
                 f"aux_output.{name}", "a value in every present aux row", "a null"
             )
-    starts = starts_col.to_numpy(zero_copy_only=False).tolist()
+    # Nulls under absent rows are fine; fill them so the present starts stay ints.
+    starts = starts_col.fill_null(0).to_numpy(zero_copy_only=False).tolist()
     rows = decode_tensor_rows(rows_col, c.types.aux_rows, layout["kind"], "aux_output.rows")
     return {
         c.req_ids[i]: AuxRequestOutput(starts[i], rows[i])
@@ -981,10 +986,11 @@ def _check_rows(batch: pa.RecordBatch, meta: dict[str, Any], head_slice_ok: bool
         if batch.column(name).null_count:
             raise SchemaMismatchError(name, "no nulls (a non-nullable column)", "nulls")
     index = batch.column("req_index").to_numpy()
-    arange = len(index) == 0 or is_arange(index)
+    arange = len(index) == 0 or (int(index[0]) == 0 and is_arange(index))
     if n == rows and arange:
         return None
-    increasing = len(index) < 2 or bool((np.diff(index) > 0).all())
+    # int64: a difference of int32 values can overflow.
+    increasing = len(index) < 2 or bool((np.diff(index.astype(np.int64)) > 0).all())
     inside = len(index) == 0 or (int(index[0]) >= 0 and int(index[-1]) < rows)
     if n > rows or not (increasing and inside):
         if n == rows:

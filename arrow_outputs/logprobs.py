@@ -312,9 +312,18 @@ def decode_positions(
     ``validated``: the batch passed ``validate(full=True)``, which already proved offsets
     monotonic and in bounds; only what Arrow cannot know (rectangular rows) is checked.
     """
+    if not 0 <= p0 <= p1 <= len(struct):
+        # Checked even after full validation: Arrow does not bound a 0-length list's offset.
+        raise OffsetsError(field, f"positions within 0..{len(struct)}", f"positions {p0}..{p1}")
     tok, lp, rank = struct.field(0), struct.field(1), struct.field(2)
     _check_no_nulls(struct, f"{field} positions")
-    for child, name in ((tok, "token_ids"), (lp, "logprobs"), (rank, "rank")):
+    for child, name in (
+        (tok, "token_ids"),
+        (lp, "logprobs"),
+        (rank, "rank"),
+        (tok.values, "token_ids values"),
+        (lp.values, "logprobs values"),
+    ):
         _check_no_nulls(child, f"{field}.{name}")
     tok_off, tok_vals = _list_parts(tok)
     lp_off, lp_vals = _list_parts(lp)

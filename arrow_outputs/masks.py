@@ -118,9 +118,14 @@ def decode_sampling_masks(arr: pa.Array, layout: dict[str, Any], field: str) -> 
     csr = list_offsets(inner_arr, np.int64)[p0 : p1 + 1]
     values = inner_arr.values
     check_monotonic(csr, f"{field}.offsets", limit=len(values))
+    if values.null_count:
+        raise SchemaMismatchError(f"{field}.token_ids", "no nulls", f"{values.null_count}")
     lo, hi = int(csr[0]), int(csr[-1])
     buf = values.buffers()[1]
-    token_ids = np.frombuffer(buf, np.int32, count=values.offset + hi)[values.offset + lo :]
+    end = values.offset + hi
+    if buf is None or buf.size < end * 4:
+        raise OffsetsError(f"{field}.token_ids", f"a buffer of {end} int32 values", "a shorter one")
+    token_ids = np.frombuffer(buf, np.int32, count=end)[values.offset + lo :]
     # Rebase only when the array was sliced: a copy then, since offsets must start at 0.
     offsets = csr if lo == 0 else csr - lo
     if layout.get("cu", True):

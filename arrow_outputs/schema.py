@@ -238,8 +238,12 @@ def check_format(schema: pa.Schema) -> None:
 def column_types(schema: pa.Schema) -> ColumnTypes:
     """The :class:`ColumnTypes` of a schema of this format; refuses any other schema."""
     check_format(schema)
-    if tuple(schema.names) != COLUMNS:
-        raise SchemaMismatchError("schema", f"columns {list(COLUMNS)}", str(schema.names))
+    try:
+        names = tuple(schema.names)
+    except UnicodeDecodeError as e:  # field names from a file are bytes until proven UTF-8
+        raise SchemaMismatchError("schema", "UTF-8 field names", str(e)) from e
+    if names != COLUMNS:
+        raise SchemaMismatchError("schema", f"columns {list(COLUMNS)}", str(list(names)))
 
     def int_of(t: pa.DataType, name: str) -> str:
         dt = {pa.int32(): "int32", pa.int64(): "int64"}.get(t)

@@ -47,6 +47,9 @@ TENSOR_DTYPES: dict[str, pa.DataType] = {
 }
 _NUMPY_OF = {"bfloat16": np.dtype(np.uint16)}
 
+#: Highest tensor rank a column may declare (numpy's own limit is 64).
+MAX_NDIM = 32
+
 DTYPE_KEY = b"arrow_outputs.dtype"
 LAYOUT_KEY = b"arrow_outputs.tensor"
 
@@ -67,6 +70,14 @@ class TensorSpec:
 
     def __post_init__(self) -> None:
         check_dtype(self.dtype, tuple(TENSOR_DTYPES), "TensorSpec.dtype")
+        if type(self.ndim) is not int or not 0 <= self.ndim <= MAX_NDIM:
+            raise FieldTypeError("TensorSpec.ndim", f"an int within 0..{MAX_NDIM}", repr(self.ndim))
+        if self.shape is not None and (
+            len(self.shape) != self.ndim or any(type(d) is not int or d < 0 for d in self.shape)
+        ):
+            raise FieldTypeError(
+                "TensorSpec.shape", f"{self.ndim} non-negative ints or None", repr(self.shape)
+            )
 
     def arrow_type(self) -> pa.DataType:
         return _arrow_type(self)
@@ -88,10 +99,15 @@ class TensorSpec:
         spec: TensorSpec | None = None
         if dtype in TENSOR_DTYPES:
             if isinstance(t, pa.FixedShapeTensorType):
-                spec = TensorSpec(dtype, len(t.shape), tuple(t.shape))
+                if len(t.shape) <= MAX_NDIM and all(d >= 0 for d in t.shape):
+                    spec = TensorSpec(dtype, len(t.shape), tuple(int(d) for d in t.shape))
             elif pa.types.is_struct(t) and t.num_fields == 2:
                 shape_t = t.field("shape").type if t.get_field_index("shape") >= 0 else None
-                if shape_t is not None and pa.types.is_fixed_size_list(shape_t):
+                if (
+                    shape_t is not None
+                    and pa.types.is_fixed_size_list(shape_t)
+                    and 0 <= shape_t.list_size <= MAX_NDIM
+                ):
                     spec = TensorSpec(dtype, shape_t.list_size, None)
         if spec is None or spec.field(field.name) != field:
             raise SchemaMismatchError(
@@ -264,11 +280,16 @@ def decode_tensor_rows(arr: pa.Array, spec: TensorSpec, kind: str, field: str) -
     """Inverse of :func:`encode_tensor_rows`: views over the Arrow buffers (read-only)."""
     n = len(arr)
     np_dtype = _numpy_dtype(spec.dtype)
+    if spec.dtype == "bfloat16" and kind != "torch":
+        # numpy has no bfloat16: no writer made numpy rows of it, and uint16 would lose it.
+        raise SchemaMismatchError(field, "torch rows for a bfloat16 column", f"{kind} rows")
     valid = arr.is_valid().to_numpy(zero_copy_only=False) if arr.null_count else None
     if spec.shape is not None:
         storage = arr.storage if isinstance(arr, pa.ExtensionArray) else arr
         size = math.prod(spec.shape)
         vals = storage.values
+        if vals.null_count:
+            raise SchemaMismatchError(f"{field}.values", "no null elements", "nulls")
         # FixedSizeListArray.values ignores the list's own slice offset: apply it here.
         start = storage.offset * size + vals.offset
         flat = _view(vals, np_dtype, start, n * size, field)
@@ -286,8 +307,8 @@ def decode_tensor_rows(arr: pa.Array, spec: TensorSpec, kind: str, field: str) -
     for name, part in (("data", data), ("shape", shape_arr)):
         if part.null_count and (present & ~part.is_valid().to_numpy(zero_copy_only=False)).any():
             raise SchemaMismatchError(f"{field}.{name}", "a value in every present row", "a null")
-    if shape_arr.values.null_count:
-        raise SchemaMismatchError(f"{field}.shape", "no null dimensions", "nulls")
+    if shape_arr.values.null_count or data.values.null_count:
+        raise SchemaMismatchError(f"{field}", "no null dimensions or elements", "nulls")
     vals = data.values
     flat = _view(vals, np_dtype, vals.offset + int(offs[0]), int(offs[-1] - offs[0]), field)
     shapes = _view(

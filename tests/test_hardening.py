@@ -603,3 +603,74 @@ def test_records_never_import_the_named_class() -> None:
     )
     assert back.kv_connector_output.kv_connector_stats.type_name == "antigravity.Fly"
     assert "antigravity" not in sys.modules
+
+
+# ----------------------------------------------------------------------- fuzz findings
+
+
+def _one_stream(batch: pa.RecordBatch) -> bytes:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, ao.run_schema(batch)) as w:
+        w.write_batch(batch, custom_metadata=ao.step_custom_metadata(batch))
+    return sink.getvalue().to_pybytes()
+
+
+def test_from_record_batch_non_utf8_field_name() -> None:
+    data = _one_stream(ao.to_record_batch(_out(2), step=1)).replace(
+        b"req_index", b"req_inde\x80", 1
+    )
+    batch, meta = pa.ipc.open_stream(data).read_next_batch_with_custom_metadata()
+    with pytest.raises(SchemaMismatchError, match="UTF-8"):
+        ao.from_record_batch(batch, custom_metadata=meta)
+
+
+def test_tensor_spec_refuses_impossible_ranks() -> None:
+    for ndim in (-2, 33, 2.0):
+        with pytest.raises(FieldTypeError, match="ndim"):
+            ao.TensorSpec("float32", ndim)  # type: ignore[arg-type]
+    with pytest.raises(FieldTypeError, match="shape"):
+        ao.TensorSpec("float32", 1, (-4,))
+
+
+def test_from_record_batch_mask_values_offset_past_buffer() -> None:
+    masks = ao.SamplingMaskLists(np.empty(0, np.int32), np.zeros(1, np.int64), [0])
+    b = ao.to_record_batch(ModelRunnerOutput([], {}, [], sampling_masks=masks), step=1)
+    c = b.column("sampling_mask")
+    leaf = pa.Array.from_buffers(pa.int32(), 0, [None, pa.py_buffer(b"")], offset=1)
+    inner = pa.Array.from_buffers(c.values.type, 0, c.values.buffers()[:2], children=[leaf])
+    c = pa.Array.from_buffers(c.type, 0, c.buffers()[:2], children=[inner])
+    with pytest.raises(ao.OffsetsError):
+        ao.from_record_batch(
+            _replace_column(b, "sampling_mask", c), custom_metadata=ao.step_custom_metadata(b)
+        )
+
+
+@pytest.mark.parametrize("index", [[0, 1, -(2**31)], [5, -(2**31) + 1, 0]])
+def test_from_record_batch_req_index_overflow_is_no_filter(index: list[int]) -> None:
+    b = ao.to_record_batch(_out(), step=1)
+    bad = _replace_column(b, "req_index", pa.array(index, pa.int32()))
+    with pytest.raises(ao.ArrowOutputsError, match=r"req_index|rows"):
+        ao.from_record_batch(bad, custom_metadata=ao.step_custom_metadata(b))
+
+
+def test_from_record_batch_bfloat16_rows_need_torch_kind() -> None:
+    torch = pytest.importorskip("torch")
+    b = ao.to_record_batch(_out(1, pooler_output=[torch.ones(4, dtype=torch.bfloat16)]), step=1)
+    batch, meta = _with_meta(b, _set("pooler_output", "numpy"))
+    with pytest.raises(SchemaMismatchError, match="bfloat16"):
+        ao.from_record_batch(batch, custom_metadata=meta)
+
+
+def test_from_record_batch_null_token_start_under_absent_row() -> None:
+    rows = np.zeros((2, 4, 2), np.uint16)
+    out = _out(2, aux_output_connector_output={"r0": ao.AuxRequestOutput(4, rows)})
+    b = ao.to_record_batch(out, step=1)
+    c = b.column("aux_output")
+    starts = pa.array([4, None], pa.int64())
+    c = pa.Array.from_buffers(c.type, 2, c.buffers()[:1], children=[starts, c.field(1)])
+    back = ao.from_record_batch(
+        _replace_column(b, "aux_output", c), custom_metadata=ao.step_custom_metadata(b)
+    )
+    start = back.aux_output_connector_output["r0"].token_start
+    assert type(start) is int
+    assert start == 4

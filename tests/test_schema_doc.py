@@ -9,6 +9,7 @@ code blocks of every docs page run too, so the examples stay true.
 from __future__ import annotations
 
 import ast
+import json
 import re
 import sys
 import types
@@ -419,6 +420,13 @@ def test_schema_doc_newer_major_version_is_refused():
 # ----------------------------------------------------------------------------- errors page
 
 
+def _with_width(batch: pa.RecordBatch, width: int) -> bytes:
+    """The batch's step JSON with a logprobs layout of the given width."""
+    meta = json.loads(batch.schema.metadata[b"arrow_outputs.step"])
+    meta["logprobs"] = {"kind": "lists", "cu": "none", "width": width}
+    return json.dumps(meta).encode()
+
+
 def _raised(call: Any) -> str:
     with pytest.raises(ao.ArrowOutputsError) as info:
         call()
@@ -431,9 +439,13 @@ def test_errors_doc_example_messages_are_what_the_code_raises():
         ["class", "raised when", "example message"],
     )
     documented = {_code(r[0]): r[2] for r in rows}
-    assert set(documented) == {"ArrowOutputsError", "OpaqueValueWarning"} | {
-        c.__name__ for c in ao.ArrowOutputsError.__subclasses__()
-    }
+    classes = {"ArrowOutputsError", "OpaqueValueWarning"}
+    todo = [ao.ArrowOutputsError]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            classes.add(sub.__name__)
+            todo.append(sub)
+    assert set(documented) == classes
 
     def one(**fields: Any) -> ModelRunnerOutput:
         return ModelRunnerOutput(["a"], {"a": 0}, [[1]], **fields)
@@ -460,6 +472,11 @@ def test_errors_doc_example_messages_are_what_the_code_raises():
         "SchemaMismatchError": _raised(
             lambda: ao.to_record_batch(
                 one(logprobs=lists(np.zeros((1, 2), np.int32))), schema=ao.output_schema()
+            )
+        ),
+        "StepMetadataError": _raised(
+            lambda: ao.from_record_batch(
+                batch, custom_metadata={b"arrow_outputs.step": _with_width(batch, -1)}
             )
         ),
         "FormatVersionError": _raised(
