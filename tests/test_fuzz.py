@@ -76,13 +76,27 @@ import warnings
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from functools import cache
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pytest
 import torch
+from test_batch import (
+    _aux,
+    _aux_uint8,
+    _aux_uint16,
+    _empty_with_ec_and_stats,
+    _encoder_only,
+    _index,
+    _logprobs_zero_rows_with_requests,
+    _masks_csr_cu_none,
+    _masks_offsets_none_with_cu,
+    _num_nans,
+    _prompt_logprobs_int32,
+    _rng,
+    _tensors,
+)
 
 import arrow_outputs as ao
 from arrow_outputs import (
@@ -93,10 +107,8 @@ from arrow_outputs import (
     ECConnectorOutput,
     KVConnectorOutput,
     LogprobsLists,
-    LogprobsTensors,
     ModelRunnerOutput,
     SamplingMaskLists,
-    make_empty_encoder_model_runner_output,
 )
 
 KEY_STEP = b"arrow_outputs.step"
@@ -122,14 +134,6 @@ def _memory_bound(input_bytes: int) -> int:
 # imported: that module's private helpers change with it).
 
 
-def _rng(seed: int) -> np.random.Generator:
-    return np.random.default_rng(seed)
-
-
-def _index(req_ids: list[str]) -> dict[str, int]:
-    return {r: i for i, r in enumerate(req_ids)}
-
-
 def _lists(
     num_pos: int,
     width: int,
@@ -151,17 +155,6 @@ def _lists(
     )
 
 
-def _tensors(
-    num_pos: int, width: int, *, ids: torch.dtype = torch.int64, seed: int = 0
-) -> LogprobsTensors:
-    g = torch.Generator().manual_seed(seed)
-    return LogprobsTensors(
-        torch.randint(0, 150_000, (num_pos, width), generator=g).to(ids),
-        -torch.rand((num_pos, width), generator=g) * 10,
-        torch.randint(1, 1000, (num_pos,), generator=g).to(ids),
-    )
-
-
 def _masks(lengths: list[int], cu: list[int] | None = None, *, seed: int = 0) -> SamplingMaskLists:
     rng = _rng(seed)
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
@@ -169,10 +162,6 @@ def _masks(lengths: list[int], cu: list[int] | None = None, *, seed: int = 0) ->
     parts = [np.sort(rng.choice(1000, size=k, replace=False)) for k in lengths]
     token_ids = np.concatenate(parts or [np.empty(0)]).astype(np.int32)
     return SamplingMaskLists(token_ids, offsets, cu)
-
-
-def _aux(rows: int, dtype: type, *, seed: int = 0) -> np.ndarray:
-    return _rng(seed).integers(0, np.iinfo(dtype).max, size=(rows, 4, 2)).astype(dtype)
 
 
 def _randn(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -229,12 +218,6 @@ def _pooling_variable_shape() -> ModelRunnerOutput:
     return ModelRunnerOutput(req_ids, _index(req_ids), [], pooler_output=rows)
 
 
-def _encoder_only() -> ModelRunnerOutput:
-    return make_empty_encoder_model_runner_output(
-        SimpleNamespace(num_scheduled_tokens={"e0": 5, "e1": 1, "e2": 7})
-    )
-
-
 def _empty_with_kv() -> ModelRunnerOutput:
     return ModelRunnerOutput.with_kv_conn_output_only(
         KVConnectorOutput(
@@ -258,12 +241,6 @@ def _empty_with_kv() -> ModelRunnerOutput:
     )
 
 
-def _empty_with_ec_and_stats() -> ModelRunnerOutput:
-    out = ModelRunnerOutput.with_ec_conn_output_only(ECConnectorOutput(finished_recving={"mm0"}))
-    out.cudagraph_stats = CUDAGraphStat(10, 16, 6, "FULL")
-    return out
-
-
 def _prompt_logprobs() -> ModelRunnerOutput:
     req_ids = ["a", "b", "c", "d"]
     return ModelRunnerOutput(
@@ -271,19 +248,6 @@ def _prompt_logprobs() -> ModelRunnerOutput:
         _index(req_ids),
         [[1], [2], [3], [4]],
         prompt_logprobs_dict={"b": None, "c": _tensors(0, 21), "d": _tensors(6, 21, seed=3)},
-    )
-
-
-def _prompt_logprobs_int32() -> ModelRunnerOutput:
-    req_ids = ["a", "b"]
-    return ModelRunnerOutput(
-        req_ids,
-        _index(req_ids),
-        [[1], [2]],
-        prompt_logprobs_dict={
-            "a": _tensors(4, 3, ids=torch.int32),
-            "b": _tensors(2, 5, ids=torch.int32, seed=1),
-        },
     )
 
 
@@ -298,13 +262,6 @@ def _prompt_token_id_logprobs() -> ModelRunnerOutput:
     )
 
 
-def _num_nans() -> ModelRunnerOutput:
-    req_ids = ["a", "b", "c"]
-    return ModelRunnerOutput(
-        req_ids, _index(req_ids), [[1], [2], [3]], num_nans_in_logits={"a": 0, "c": 12}
-    )
-
-
 def _masks_single_position() -> ModelRunnerOutput:
     m = _masks([4])
     return ModelRunnerOutput(
@@ -312,59 +269,8 @@ def _masks_single_position() -> ModelRunnerOutput:
     )
 
 
-def _masks_offsets_none_with_cu() -> ModelRunnerOutput:
-    m = _masks([3])
-    req_ids = ["a", "b"]
-    return ModelRunnerOutput(
-        req_ids,
-        _index(req_ids),
-        [[], [9]],
-        sampling_masks=SamplingMaskLists(m.token_ids, None, [0, 0, 1]),
-    )
-
-
-def _masks_csr_cu_none() -> ModelRunnerOutput:
-    req_ids = ["a", "b", "c", "d"]
-    return ModelRunnerOutput(
-        req_ids, _index(req_ids), [[1], [2], [3], [4]], sampling_masks=_masks([2, 0, 5, 1])
-    )
-
-
-def _aux_uint8() -> ModelRunnerOutput:
-    req_ids = ["a", "b", "c"]
-    return ModelRunnerOutput(
-        req_ids,
-        _index(req_ids),
-        [[1], [2, 3], [4]],
-        aux_output_connector_output={
-            "a": AuxRequestOutput(0, _aux(5, np.uint8)),
-            "c": AuxRequestOutput(17, _aux(1, np.uint8, seed=2)),
-        },
-    )
-
-
-def _aux_uint16() -> ModelRunnerOutput:
-    req_ids = ["a", "b"]
-    return ModelRunnerOutput(
-        req_ids,
-        _index(req_ids),
-        [[1], [2, 3]],
-        aux_output_connector_output={
-            "a": AuxRequestOutput(100, _aux(1, np.uint16)),
-            "b": AuxRequestOutput(3, _aux(2, np.uint16, seed=5)),
-        },
-    )
-
-
 def _logprobs_zero_rows_no_requests() -> ModelRunnerOutput:
     return ModelRunnerOutput([], {}, [], logprobs=_lists(0, 21))
-
-
-def _logprobs_zero_rows_with_requests() -> ModelRunnerOutput:
-    req_ids = ["a", "b"]
-    return ModelRunnerOutput(
-        req_ids, _index(req_ids), [[], []], logprobs=_lists(0, 21, [0, 0, 0], ids=np.int32)
-    )
 
 
 def _logprobs_tensors_cu_tensor() -> ModelRunnerOutput:
