@@ -145,6 +145,8 @@ def _record(
 
 
 def _bad(path: str, expected: str, got: Any) -> StepMetadataError:
+    if len(path) > 160:  # deep nesting: keep the message readable
+        path = f"{path[:80]}...{path[-60:]}"
     text = repr(got)
     return StepMetadataError(path, expected, text if len(text) <= 60 else text[:57] + "...")
 
