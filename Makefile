@@ -10,7 +10,8 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: install test lint typecheck unit docs notebooks bench clean
 
-$(STAMP): pyproject.toml
+# setup.py and the C source too: `pip install -e .` is what recompiles arrow_outputs._speedups.
+$(STAMP): pyproject.toml setup.py arrow_outputs/_speedups.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)" $(TORCH_PIP_ARGS)
@@ -20,8 +21,8 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check arrow_outputs tests benchmarks notebooks/execute.py
-	$(VENV)/bin/ruff format --check arrow_outputs tests benchmarks notebooks/execute.py
+	$(VENV)/bin/ruff check arrow_outputs tests benchmarks notebooks/execute.py setup.py
+	$(VENV)/bin/ruff format --check arrow_outputs tests benchmarks notebooks/execute.py setup.py
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
@@ -37,8 +38,10 @@ notebooks: $(STAMP)
 
 test: lint typecheck unit docs notebooks
 
+# The codec's C and pure-Python paths against pickle, in one run (~1-2 min); every figure
+# goes to bench-encode.json too. Narrow it with BENCH_ARGS="--quick" or "--path python".
 bench: $(STAMP)
-	$(PY) benchmarks/bench_encode.py
+	$(PY) benchmarks/bench_encode.py --json bench-encode.json $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) site .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) site build .pytest_cache .mypy_cache .ruff_cache .hypothesis arrow_outputs/*.so

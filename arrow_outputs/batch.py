@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import pyarrow as pa
 
-from . import _stepmeta
+from . import _accel, _stepmeta
 from ._checks import arange_offsets, describe, is_arange
 from ._jsonish import Dropped, from_jsonable, to_jsonable
 from .errors import (
@@ -267,7 +267,11 @@ def _check_req_ids(req_ids: Any, index: Any) -> int:
     n = len(req_ids)
     # Fast path: vLLM builds the dict in req_ids order. Equal key lists also prove that
     # req_ids has no duplicates (dict keys are unique).
-    if list(index) == req_ids and list(index.values()) == _range_list(n):
+    if (
+        _accel.index_in_order(req_ids, index)
+        if _accel.accelerated()
+        else list(index) == req_ids and list(index.values()) == _range_list(n)
+    ):
         return n
     if len(set(req_ids)) != n:
         dup = next(r for r, count in Counter(req_ids).items() if count > 1)
@@ -285,11 +289,33 @@ def _check_req_ids(req_ids: Any, index: Any) -> int:
 
 
 def _req_id_array(req_ids: list[Any]) -> pa.Array:
+    # The C walk, when built; the pure path is pyarrow's own (faster than _pyspeedups, which
+    # is the C code's specification, not a production path).
+    fast = _accel.utf8_array(req_ids) if _accel.accelerated() else None
+    if fast is not None:
+        offsets, data = fast
+        return pa.Array.from_buffers(
+            pa.string(), len(req_ids), [None, pa.py_buffer(offsets), pa.py_buffer(data)]
+        )
+    # Exactly str: pyarrow would turn bytes into a string silently.
+    if list(map(type, req_ids)).count(str) != len(req_ids):
+        i = next(i for i, r in enumerate(req_ids) if type(r) is not str)
+        raise FieldTypeError(f"req_ids[{i}]", "a str", describe(req_ids[i]))
     try:
         return pa.array(req_ids, pa.string())
-    except (pa.ArrowInvalid, pa.ArrowTypeError):
-        i = next(i for i, r in enumerate(req_ids) if type(r) is not str)
-        raise FieldTypeError(f"req_ids[{i}]", "a str", describe(req_ids[i])) from None
+    except UnicodeEncodeError as e:
+        i = next(i for i, r in enumerate(req_ids) if not _utf8_ok(r))
+        raise UnsupportedValueError(
+            f"req_ids[{i}]", "a str with a UTF-8 form", f"{describe(req_ids[i])} ({e.reason})"
+        ) from None
+
+
+def _utf8_ok(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _step_column(n: int, step: int | None) -> tuple[pa.Array, np.ndarray]:
@@ -329,6 +355,16 @@ def _enc_sampled(c: _Enc) -> tuple[pa.Array, Any]:
     if not st:
         # A pooling step: no sampled ids at all, while requests exist.
         return null_column, "none"
+    t = null_column.type
+    itemsize = 4 if id_type == "int32" else 8
+    fast = _accel.flatten_int_lists(st, n, itemsize) if _accel.accelerated() else None
+    if fast is not None:
+        values_bytes, offsets_bytes = fast
+        count = len(values_bytes) // itemsize
+        values = pa.Array.from_buffers(t.value_type, count, [None, pa.py_buffer(values_bytes)])
+        arr = pa.Array.from_buffers(t, n, [None, pa.py_buffer(offsets_bytes)], children=[values])
+        return arr, "lists"
+    # The slow path: the same batch, or the precise error for what the fast path refused.
     if len(st) != n:
         raise ShapeError("sampled_token_ids", f"{n} lists (one per request) or []", f"{len(st)}")
     if list(map(type, st)).count(list) != n:  # the C-level form of all(type(x) is list)
@@ -364,7 +400,6 @@ def _enc_sampled(c: _Enc) -> tuple[pa.Array, Any]:
                 f"values from {flat.min()} to {flat.max()}",
             )
         flat = flat.astype(np_type)
-    t = null_column.type
     values = pa.Array.from_buffers(t.value_type, len(flat), [None, pa.py_buffer(flat)])
     arr = pa.Array.from_buffers(t, n, [None, pa.py_buffer(offsets)], children=[values])
     return arr, "lists"
@@ -562,6 +597,11 @@ def _dec_sampled(c: _Dec, col: pa.Array, mode: str) -> Any:
     if n and is_arange(offs, int(offs[1]) - lo):
         # Uniform lengths (every decode step without speculation): one C-level tolist.
         return values.reshape(n, -1).tolist()
+    if _accel.accelerated():
+        child = col.values.to_numpy()
+        fast = _accel.split_int_lists(child, offs, child.dtype.itemsize, n)
+        if fast is not None:
+            return fast
     flat = values.tolist()
     bounds = (offs - lo).tolist()
     return [flat[a:b] for a, b in itertools.pairwise(bounds)]
@@ -1019,6 +1059,18 @@ def _head(a: np.ndarray, k: int = 8) -> str:
     return str(a[:k].tolist())[:-1] + (", ...]" if len(a) > k else "]")
 
 
+def _req_ids_of(col: pa.Array, n: int) -> list[str]:
+    if not n:
+        return []
+    _, offsets, data = col.buffers()
+    fast = (
+        _accel.str_list(offsets, data, col.offset, n)
+        if data is not None and _accel.accelerated()
+        else None
+    )
+    return fast if fast is not None else col.to_numpy(zero_copy_only=False).tolist()
+
+
 def _check_step_column(col: pa.Array, step: int | None) -> None:
     if step is None:
         if col.null_count != len(col):
@@ -1089,7 +1141,7 @@ def from_record_batch(
     _check_step_column(batch.column(_AT["step"]), meta["step"])
     n = batch.num_rows
 
-    req_ids = batch.column(_AT["req_id"]).to_numpy(zero_copy_only=False).tolist() if n else []
+    req_ids = _req_ids_of(batch.column(_AT["req_id"]), n)
     req_id_to_index = dict(zip(req_ids, _range_list(n)))
     if len(req_id_to_index) != n:
         dup = next(r for r, count in Counter(req_ids).items() if count > 1)

@@ -1,8 +1,10 @@
-"""The record-batch codec against vLLM's pickle-5 handoff, measured in one run.
+"""The record-batch codec (C and pure-Python paths) against vLLM's pickle-5 handoff, one run.
 
 vLLM moves ``ModelRunnerOutput`` between processes with pickle protocol 5 and out-of-band
 buffers (``pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)`` in the sender,
-``pickle.loads(data, buffers=buffers)`` in the receiver). This script times, per workload:
+``pickle.loads(data, buffers=buffers)`` in the receiver). This script times, per workload
+and for each path of the codec (the compiled accelerator, "C", and the pure-Python
+fallback, switched at run time with ``arrow_outputs._accel.set_pure_python``):
 
 * encode: ``arrow_outputs.to_record_batch(out, step=i, schema=run_schema)`` (the run's
   schema fixed by its first batch) against ``pickle.dumps`` as above;
@@ -12,27 +14,41 @@ buffers (``pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)`` in th
 Neither side's bytes are copied into shared memory here (vLLM's ring buffer copy, an IPC
 write for Arrow): both are left out alike, so the ratios compare the codecs themselves.
 
-Ratios are pickle time / arrow time: above 1 means arrow is faster. Each number is the
-median over many samples of ``perf_counter_ns`` timings, after a warm-up, with the garbage
-collector paused while timing (as ``timeit`` does); the repeat count is scaled so each
-measurement takes about 0.3 s (``--quick``: about 0.02 s, for smoke runs). Timed calls
-cycle through a few distinct steps of each workload (other request ids, tokens and
-logprobs), as an engine would, so no cache keyed on one step's contents can flatter a side.
+Method. Every figure of a workload (each path's encode, decode and no-validate decode,
+and pickle's encode and decode) is sampled in rounds: one round times one sample of each
+figure in a fresh random order, a sample being enough back-to-back calls to last
+``Settings.sample_ns`` (the garbage collector paused, as ``timeit`` does). Interleaving the
+figures this way makes a slow spell of a shared machine fall on all of them alike, and
+pairs the samples: the ratio's spread is that of the per-round ratios pickle/arrow. Rounds
+go on until every figure has had its minimum samples and time and the running median of
+each has settled (the last ``stable_checks`` medians, taken every ``check_every`` rounds,
+within ``stable_tol``: 2%), or until the workload's time budget is spent; a figure whose
+median did not settle is marked ``*``. See ``FULL`` and ``QUICK`` for the settings.
+
+Each figure is reported as its median and its spread: half the interquartile range as a
+percentage of the median (``127.7 ±4%``: the middle half of the samples lies within about
+4% of the median). Ratios are pickle time / arrow time (medians): above 1 means arrow is
+faster. Timed calls cycle through a few distinct steps of each workload (other request
+ids, tokens and logprobs), as an engine would, so no cache keyed on one step's contents
+can flatter a side.
 
 Usage::
 
-    python benchmarks/bench_encode.py [--quick] [--json PATH]
+    python benchmarks/bench_encode.py [--quick] [--json PATH] [--path {both,c,python}]
 
 No assertion depends on timing; the targets are printed with PASS/MISS next to the ratios.
-Every step of every workload is checked once for a correct round trip (req_ids, sampled
-token ids, logprobs, masks) by both codecs before it is timed, so a broken path cannot be
-measured.
+Before anything is timed, every step of every workload is encoded by each measured path,
+decoded by each (validated and not, in memory and after an IPC round trip) and compared
+with its input (``arrow_outputs.first_difference``, strict), and the batches the paths
+make are compared with each other, so a broken path cannot be measured.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import importlib
+import importlib.util
 import itertools
 import json
 import math
@@ -43,9 +59,11 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -57,20 +75,37 @@ from arrow_outputs import LogprobsLists, ModelRunnerOutput, SamplingMaskLists
 VOCAB = 128_256  # Llama 3's vocabulary: token ids need more than 16 bits
 NUM_LOGPROBS = 20  # width 21: the sampled token plus the top 20
 DECODE_SIZES = (1, 64, 256, 1024)
+SPEC_SIZES = (1, 1024)  # the targets hold "at every batch size": the smallest and largest
+MASK_SIZES = (1, 1024)
+MASK_MEAN_IDS = 50
 # Timed calls cycle through this many distinct steps of a workload, so a cache keyed on a
 # step's contents (its req_ids, say) cannot make every call after the first a hit.
 VARIANTS = 4
-SPEC_REQUESTS = 1024
-MASK_REQUESTS = 1024
-MASK_MEAN_IDS = 50
 
 # Targets (docs: design brief). Encode: by number of requests; decode: at every size.
 ENCODE_TARGETS = {1: 1.0, 1024: 2.0}
 DECODE_TARGET = 1.0
 
-# Timer resolution is ~tens of ns; one sample runs enough calls to last at least this long.
-MIN_SAMPLE_NS = 50_000
-MIN_SAMPLES = 7
+PATHS = ("c", "python")
+PATH_LABELS = {"c": "C", "python": "python", "pickle": "pickle"}
+ACCEL_MODULE = "arrow_outputs._accel"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How long to sample. Full runs take about a minute or two; ``--quick`` a few seconds."""
+
+    sample_ns: int  # one sample runs enough calls to last at least this long
+    min_rounds: int  # at least this many samples of every figure
+    min_s: float  # at least this much sampling time per figure
+    budget_s: float  # at most about this much per figure (the workload's budget / figures)
+    check_every: int = 10  # rounds between two medians of the stability check
+    stable_checks: int = 3  # this many consecutive medians ...
+    stable_tol: float = 0.02  # ... within 2% of each other: the median has settled
+
+
+FULL = Settings(sample_ns=500_000, min_rounds=30, min_s=0.5, budget_s=2.5)
+QUICK = Settings(sample_ns=200_000, min_rounds=8, min_s=0.0, budget_s=0.08, check_every=4)
 
 
 # ----------------------------------------------------------------------------- workloads
@@ -115,7 +150,7 @@ def decode_step(n: int, seed: int = 0) -> ModelRunnerOutput:
     )
 
 
-def spec_step(n: int = SPEC_REQUESTS, seed: int = 0) -> ModelRunnerOutput:
+def spec_step(n: int, seed: int = 0) -> ModelRunnerOutput:
     """Speculative decoding: 1..4 accepted tokens per request, one logprob row each."""
     rng = np.random.default_rng(seed)
     req_ids = _req_ids(n, random.Random(seed))
@@ -132,7 +167,7 @@ def spec_step(n: int = SPEC_REQUESTS, seed: int = 0) -> ModelRunnerOutput:
     )
 
 
-def mask_step(n: int = MASK_REQUESTS, seed: int = 0) -> ModelRunnerOutput:
+def mask_step(n: int, seed: int = 0) -> ModelRunnerOutput:
     """One position per request with a CSR sampling mask of ~50 ascending int32 ids."""
     rng = np.random.default_rng(seed)
     req_ids = _req_ids(n, random.Random(seed))
@@ -159,9 +194,71 @@ def _workload(name: str, n: int, make: Callable[[int, int], ModelRunnerOutput]) 
 def workloads() -> list[Workload]:
     return [
         *(_workload("decode lp20", n, decode_step) for n in DECODE_SIZES),
-        _workload("spec k<=4 lp20", SPEC_REQUESTS, spec_step),
-        _workload(f"mask ~{MASK_MEAN_IDS} ids", MASK_REQUESTS, mask_step),
+        *(_workload("spec k<=4 lp20", n, spec_step) for n in SPEC_SIZES),
+        *(_workload(f"mask ~{MASK_MEAN_IDS} ids", n, mask_step) for n in MASK_SIZES),
     ]
+
+
+# ----------------------------------------------------------------------------- paths
+
+
+class PathError(RuntimeError):
+    """A codec path cannot be selected, or the selector did not do what it was asked."""
+
+
+@dataclass
+class Accel:
+    """The codec's path selector, ``arrow_outputs._accel``, or its absence.
+
+    Without the module only the pure-Python path exists: nothing is switched then.
+    """
+
+    module: ModuleType | None
+    c_available: bool
+    note: str  # why the C path is unavailable ("" when it is available)
+
+    @classmethod
+    def detect(cls) -> Accel:
+        if importlib.util.find_spec(ACCEL_MODULE) is None:
+            return cls(None, False, f"no {ACCEL_MODULE} module yet: pure Python only")
+        # A selector that exists but fails to import is a broken codec: let the error out.
+        module = importlib.import_module(ACCEL_MODULE)
+        missing = [
+            a for a in ("AVAILABLE", "set_pure_python", "accelerated") if not hasattr(module, a)
+        ]
+        if missing:
+            raise PathError(f"{ACCEL_MODULE} lacks {', '.join(missing)}: cannot select a path")
+        if not module.AVAILABLE:
+            return cls(module, False, f"{ACCEL_MODULE}.AVAILABLE is False (no C extension)")
+        return cls(module, True, "")
+
+    def available(self, path: str) -> bool:
+        return path == "python" or self.c_available
+
+    def use(self, path: str) -> None:
+        """Switch the codec to ``path`` and check that the switch took."""
+        if self.module is None:
+            if path != "python":
+                raise PathError(f"the {path} path does not exist: {self.note}")
+            return
+        self.module.set_pure_python(path == "python")
+        if bool(self.module.accelerated()) != (path == "c"):
+            raise PathError(
+                f"{ACCEL_MODULE}.set_pure_python({path == 'python'}) left accelerated() = "
+                f"{self.module.accelerated()}: the figures would be labelled wrongly"
+            )
+
+    @contextmanager
+    def restored(self) -> Iterator[None]:
+        """Put the codec back on the path it was on, whatever was switched inside."""
+        if self.module is None:
+            yield
+            return
+        was_c = bool(self.module.accelerated())
+        try:
+            yield
+        finally:
+            self.module.set_pure_python(not was_c)
 
 
 # ----------------------------------------------------------------------------- codecs
@@ -177,58 +274,74 @@ def pickle_decode(data: bytes, buffers: list[pickle.PickleBuffer]) -> Any:
     return pickle.loads(data, buffers=buffers)
 
 
+def ipc_round_trip(batch: pa.RecordBatch) -> tuple[pa.RecordBatch, Any]:
+    """The batch through an IPC stream, read back with its step metadata (custom metadata)."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, ao.run_schema(batch)) as writer:
+        writer.write_batch(batch, custom_metadata=ao.step_custom_metadata(batch))
+    return pa.ipc.open_stream(sink.getvalue()).read_next_batch_with_custom_metadata()
+
+
 class RoundTripError(RuntimeError):
     """A codec did not give back what it was given: its timings would mean nothing."""
 
 
-def _same(a: Any, b: Any) -> bool:
-    if a is None or b is None:
-        return a is b
-    return all(
-        (x is None and y is None)
-        or (isinstance(x, np.ndarray) and np.array_equal(x, y) and x.dtype == y.dtype)
-        or (not isinstance(x, np.ndarray) and x == y)
-        for x, y in zip(a, b, strict=True)
-    )
-
-
 def check_round_trip(w: Workload, src: Any, back: Any, codec: str) -> None:
-    """``back`` must equal ``src`` on req_ids, sampled ids, logprobs and masks."""
-    for name in ("req_ids", "req_id_to_index", "sampled_token_ids"):
-        if getattr(back, name) != getattr(src, name):
-            raise RoundTripError(f"{codec} round trip of {w.name} n={w.n}: {name} differs")
-    for name in ("logprobs", "sampling_masks"):
-        if not _same(getattr(back, name), getattr(src, name)):
-            raise RoundTripError(f"{codec} round trip of {w.name} n={w.n}: {name} differs")
+    """``back`` must equal ``src`` (strict: values, kinds and dtypes)."""
+    diff = ao.first_difference(src, back)
+    if diff is not None:
+        raise RoundTripError(f"{codec} round trip of {w.name} n={w.n}: {diff}")
+
+
+def check_workload(
+    w: Workload, schema: pa.Schema, accel: Accel, paths: list[str]
+) -> list[pa.RecordBatch]:
+    """Every step through every measured path, both ways; the (pure-Python) batches."""
+    made: dict[str, list[pa.RecordBatch]] = {}
+    for enc in paths:
+        accel.use(enc)
+        made[enc] = [
+            ao.to_record_batch(o, step=i + 1, schema=schema) for i, o in enumerate(w.outputs)
+        ]
+    for enc, batches in made.items():
+        for i, (src, batch) in enumerate(zip(w.outputs, batches)):
+            if not batch.equals(made[paths[0]][i]):
+                raise RoundTripError(
+                    f"{w.name} n={w.n} step {i}: the {enc} path's batch differs from the "
+                    f"{paths[0]} path's"
+                )
+            read, custom = ipc_round_trip(batch)
+            for dec in paths:
+                accel.use(dec)
+                codec = f"arrow ({enc} encode, {dec} decode"
+                check_round_trip(w, src, ao.from_record_batch(batch), codec + ")")
+                back = ao.from_record_batch(batch, validate=False)
+                check_round_trip(w, src, back, codec + ", no validate)")
+                back = ao.from_record_batch(read, custom_metadata=custom)
+                check_round_trip(w, src, back, codec + ", after IPC)")
+    for src in w.outputs:
+        check_round_trip(w, src, pickle_decode(*pickle_encode(src)), "pickle")
+    return made.get("python", made[paths[0]])
 
 
 # ----------------------------------------------------------------------------- timing
 
 
 @dataclass
-class Timing:
-    median_ns: float
-    min_ns: float
-    calls_per_sample: int
-    samples: int
+class Figure:
+    """One timed quantity: an operation (encode, decode, ...) on one path."""
 
+    op: str  # "encode", "decode", "decode_novalidate"
+    path: str  # "c", "python" or "pickle"
+    fn: Callable[[], Any]
+    number: int = 1  # calls per sample
+    per_call: list[float] = field(default_factory=list)  # ns, one entry per round
+    medians: list[float] = field(default_factory=list)  # running median at each check
+    spent_ns: int = 0
 
-def measure(fn: Callable[[], Any], target_s: float) -> Timing:
-    """Median ns per call of ``fn`` over samples that together take about ``target_s``."""
-    for _ in range(3):  # warm up: caches, lazy imports, lru_caches keyed by size
-        fn()
-    once = min(_time_calls(fn, 1) for _ in range(3))
-    number = max(1, math.ceil(MIN_SAMPLE_NS / max(once, 1)))
-    samples = max(MIN_SAMPLES, int(target_s * 1e9 / (once * number)))
-    gc.collect()
-    was_enabled = gc.isenabled()
-    gc.disable()  # as timeit does: a collection falls on one side or the other at random
-    try:
-        per_call = [_time_calls(fn, number) / number for _ in range(samples)]
-    finally:
-        if was_enabled:
-            gc.enable()
-    return Timing(statistics.median(per_call), min(per_call), number, samples)
+    def stable(self, s: Settings) -> bool:
+        last = self.medians[-s.stable_checks :]
+        return len(last) == s.stable_checks and max(last) <= min(last) * (1 + s.stable_tol)
 
 
 def _time_calls(fn: Callable[[], Any], number: int) -> int:
@@ -239,154 +352,414 @@ def _time_calls(fn: Callable[[], Any], number: int) -> int:
     return clock() - t0
 
 
+def sample_rounds(figures: list[Figure], accel: Accel, s: Settings) -> int:
+    """Interleaved samples of ``figures`` until their medians settle or the budget is out.
+
+    Returns the number of rounds.
+    """
+    for f in figures:  # warm up: caches, lazy imports, lru_caches keyed by size
+        if f.path != "pickle":
+            accel.use(f.path)
+        for _ in range(3):
+            f.fn()
+        once = min(_time_calls(f.fn, 1) for _ in range(3))
+        f.number = max(1, math.ceil(s.sample_ns / max(once, 1)))
+    # A new order every round: a figure that always ran first after the checkpoint work
+    # below, or right after a path switch, would pay for it alone (cold caches) and look
+    # noisier than its twin. Seeded, so runs are comparable.
+    order, shuffle = list(figures), random.Random(0).shuffle
+    budget_ns = s.budget_s * 1e9 * len(figures)
+    min_ns = s.min_s * 1e9
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()  # as timeit does: a collection falls on one side or the other at random
+    rounds = 0
+    try:
+        while True:
+            shuffle(order)
+            for f in order:
+                if f.path != "pickle":  # switched outside timing
+                    accel.use(f.path)
+                took = _time_calls(f.fn, f.number)
+                f.per_call.append(took / f.number)
+                f.spent_ns += took
+            rounds += 1
+            if rounds % s.check_every:
+                continue
+            gc.collect()  # outside timing: what refcounting missed does not pile up
+            for f in figures:
+                f.medians.append(statistics.median(f.per_call))
+            if sum(f.spent_ns for f in figures) >= budget_ns:
+                break
+            if rounds >= s.min_rounds and all(
+                f.spent_ns >= min_ns and f.stable(s) for f in figures
+            ):
+                break
+    finally:
+        if was_enabled:
+            gc.enable()
+    return rounds
+
+
+@dataclass
+class Stats:
+    """A figure's samples, summarised: ns per call."""
+
+    median_ns: float
+    q1_ns: float
+    q3_ns: float
+    min_ns: float
+    max_ns: float
+    samples: int
+    calls_per_sample: int
+    stable: bool
+
+    @classmethod
+    def of(cls, f: Figure, s: Settings) -> Stats:
+        q1, q2, q3 = _quartiles(f.per_call)
+        return cls(
+            q2, q1, q3, min(f.per_call), max(f.per_call), len(f.per_call), f.number, f.stable(s)
+        )
+
+    @property
+    def spread_pct(self) -> float:
+        """Half the interquartile range, as a percentage of the median."""
+        return 50.0 * (self.q3_ns - self.q1_ns) / self.median_ns
+
+    def json(self) -> dict[str, Any]:
+        return {
+            "median_ns": self.median_ns,
+            "q1_ns": self.q1_ns,
+            "q3_ns": self.q3_ns,
+            "min_ns": self.min_ns,
+            "max_ns": self.max_ns,
+            "spread_pct": self.spread_pct,
+            "samples": self.samples,
+            "calls_per_sample": self.calls_per_sample,
+            "median_settled": self.stable,
+        }
+
+
+def _quartiles(xs: list[float]) -> tuple[float, float, float]:
+    if len(xs) == 1:
+        return xs[0], xs[0], xs[0]
+    q1, q2, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+    return q1, q2, q3
+
+
+@dataclass
+class Ratio:
+    """pickle / arrow: the ratio of the medians; its spread from the per-round ratios."""
+
+    value: float
+    q1: float  # quartiles of the per-round (paired) ratios
+    median_paired: float
+    q3: float
+    target: float | None
+
+    @classmethod
+    def of(cls, arrow: Figure, pickle_f: Figure, target: float | None) -> Ratio:
+        paired = [p / a for p, a in zip(pickle_f.per_call, arrow.per_call)]
+        q1, q2, q3 = _quartiles(paired)
+        value = statistics.median(pickle_f.per_call) / statistics.median(arrow.per_call)
+        return cls(value, q1, q2, q3, target)
+
+    @property
+    def spread_pct(self) -> float:
+        return 50.0 * (self.q3 - self.q1) / self.median_paired
+
+    @property
+    def passed(self) -> bool | None:
+        return None if self.target is None else self.value >= self.target
+
+    @property
+    def verdict(self) -> str:
+        """PASS or MISS; with '?' when the target lies inside the ratio's middle half."""
+        if self.target is None:
+            return "-"
+        word = "PASS" if self.passed else "MISS"
+        return word + ("?" if self.q1 < self.target < self.q3 else "")
+
+    def json(self) -> dict[str, Any]:
+        return {
+            "ratio": self.value,
+            "paired_q1": self.q1,
+            "paired_median": self.median_paired,
+            "paired_q3": self.q3,
+            "spread_pct": self.spread_pct,
+            "target": self.target,
+            "pass": self.passed,
+            "verdict": self.verdict,
+        }
+
+
 # ----------------------------------------------------------------------------- run
+
+OPS = ("encode", "decode", "decode_novalidate")
+PICKLE_OF = {"encode": "encode", "decode": "decode", "decode_novalidate": "decode"}
 
 
 @dataclass
 class Row:
     workload: str
     n: int
-    encode_arrow: Timing
-    encode_pickle: Timing
-    decode_arrow: Timing
-    decode_arrow_novalidate: Timing
-    decode_pickle: Timing
+    stats: dict[tuple[str, str], Stats]  # (op, path) -> stats; pickle under its own ops
+    ratios: dict[tuple[str, str], Ratio]  # (op, path) -> pickle / arrow
+    rounds: int
+    seconds: float
     pickle_bytes: int
     pickle_oob_bytes: int
     arrow_bytes: int
 
-    @property
-    def encode_ratio(self) -> float:
-        return self.encode_pickle.median_ns / self.encode_arrow.median_ns
 
-    @property
-    def decode_ratio(self) -> float:
-        return self.decode_pickle.median_ns / self.decode_arrow.median_ns
-
-    @property
-    def decode_novalidate_ratio(self) -> float:
-        return self.decode_pickle.median_ns / self.decode_arrow_novalidate.median_ns
-
-    @property
-    def encode_target(self) -> float | None:
-        return ENCODE_TARGETS.get(self.n)
-
-    @property
-    def decode_target(self) -> float:
-        return DECODE_TARGET
+def _target(op: str, n: int) -> float | None:
+    if op == "encode":
+        return ENCODE_TARGETS.get(n)
+    return DECODE_TARGET if op == "decode" else None
 
 
-def run_workload(w: Workload, target_s: float) -> Row:
+def run_workload(w: Workload, accel: Accel, paths: list[str], s: Settings) -> Row:
+    started = time.perf_counter()
     outs = w.outputs
     # The run's schema is fixed by its first step; later steps pass it (same object).
-    run_schema = ao.to_record_batch(outs[0], step=0).schema
-    batches = [ao.to_record_batch(o, step=i + 1, schema=run_schema) for i, o in enumerate(outs)]
+    accel.use(paths[-1])
+    schema = ao.run_schema(ao.to_record_batch(outs[0], step=0))
+    # Both decoders read the same batches: the pure-Python encoder's (the specification).
+    batches = check_workload(w, schema, accel, paths)
     pickles = [pickle_encode(o) for o in outs]
-    for src, batch, (data, buffers) in zip(outs, batches, pickles):
-        check_round_trip(w, src, ao.from_record_batch(batch), "arrow")
-        check_round_trip(w, src, ao.from_record_batch(batch, validate=False), "arrow (no validate)")
-        check_round_trip(w, src, pickle_decode(data, buffers), "pickle")
-
     steps = itertools.count(len(outs) + 1)
-    out_cycle, batch_cycle, pickle_cycle = (itertools.cycle(x) for x in (outs, batches, pickles))
+
+    def cycle(xs: list[Any]) -> Callable[[], Any]:
+        return itertools.cycle(xs).__next__  # each figure its own cycle: all variants alike
+
+    figures = []
+    for path in paths:
+        nxt_out, nxt_batch, nxt_batch2 = cycle(outs), cycle(batches), cycle(batches)
+        figures += [
+            Figure(
+                "encode",
+                path,
+                lambda nxt=nxt_out: ao.to_record_batch(nxt(), step=next(steps), schema=schema),
+            ),
+            Figure("decode", path, lambda nxt=nxt_batch: ao.from_record_batch(nxt())),
+            Figure(
+                "decode_novalidate",
+                path,
+                lambda nxt=nxt_batch2: ao.from_record_batch(nxt(), validate=False),
+            ),
+        ]
+    nxt_out, nxt_pickle = cycle(outs), cycle(pickles)
+    figures += [
+        Figure("encode", "pickle", lambda: pickle_encode(nxt_out())),
+        Figure("decode", "pickle", lambda: pickle_decode(*nxt_pickle())),
+    ]
+    with accel.restored():
+        rounds = sample_rounds(figures, accel, s)
+    by_key = {(f.op, f.path): f for f in figures}
     return Row(
         workload=w.name,
         n=w.n,
-        encode_arrow=measure(
-            lambda: ao.to_record_batch(next(out_cycle), step=next(steps), schema=run_schema),
-            target_s,
-        ),
-        encode_pickle=measure(lambda: pickle_encode(next(out_cycle)), target_s),
-        decode_arrow=measure(lambda: ao.from_record_batch(next(batch_cycle)), target_s),
-        decode_arrow_novalidate=measure(
-            lambda: ao.from_record_batch(next(batch_cycle), validate=False), target_s
-        ),
-        decode_pickle=measure(lambda: pickle_decode(*next(pickle_cycle)), target_s),
+        stats={key: Stats.of(f, s) for key, f in by_key.items()},
+        ratios={
+            (op, path): Ratio.of(
+                by_key[op, path], by_key[PICKLE_OF[op], "pickle"], _target(op, w.n)
+            )
+            for op in OPS
+            for path in paths
+        },
+        rounds=rounds,
+        seconds=time.perf_counter() - started,
         pickle_bytes=len(pickles[0][0]),
         pickle_oob_bytes=sum(memoryview(b).nbytes for b in pickles[0][1]),
         arrow_bytes=batches[0].get_total_buffer_size(),
     )
 
 
-def _verdict(ratio: float, target: float | None) -> str:
-    if target is None:
-        return "-"
-    return f">={target:.1f}x {'PASS' if ratio >= target else 'MISS'}"
+# ----------------------------------------------------------------------------- report
+
+
+TIME_W, RATIO_W, VERDICT_W, TARGET_W = 14, 12, 6, 7
+
+
+def _time_cell(st: Stats | None) -> str:
+    if st is None:
+        return f"{'n/a':>{TIME_W}}"
+    mark = "" if st.stable else "*"
+    return f"{f'{st.median_ns / 1e3:.1f} ±{st.spread_pct:.0f}%{mark}':>{TIME_W}}"
+
+
+def _ratio_cell(r: Ratio | None) -> str:
+    if r is None:
+        return f"{'n/a':>{RATIO_W}}"
+    return f"{f'{r.value:.2f}x ±{r.spread_pct:.0f}%':>{RATIO_W}}"
+
+
+def _verdict_cell(r: Ratio | None) -> str:
+    return f" {'' if r is None else r.verdict:<{VERDICT_W}}"
+
+
+def _target_cell(op: str, n: int) -> str:
+    t = _target(op, n)
+    return f"{'-' if t is None else f'>={t:g}x':>{TARGET_W}}"
 
 
 def format_table(rows: list[Row]) -> str:
     head = (
-        f"{'workload':<16}{'n':>5} |"
-        f"{'enc arrow':>10}{'pickle':>9}{'x':>7}  {'target':<12}|"
-        f"{'dec arrow':>10}{'pickle':>9}{'x':>7}  {'target':<12}|"
-        f"{'dec novalid':>12}{'x':>7}"
+        f"{'workload':<15}{'n':>5} |"
+        + "".join(f"{PATH_LABELS[p]:>{TIME_W}}" for p in (*PATHS, "pickle"))
+        + f" |{'target':>{TARGET_W}}"
+        + "".join(f"{'x ' + PATH_LABELS[p]:>{RATIO_W}}{'':<{VERDICT_W + 1}}" for p in PATHS)
     )
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        lines.append(
-            f"{r.workload:<16}{r.n:>5} |"
-            f"{r.encode_arrow.median_ns / 1e3:>10.1f}{r.encode_pickle.median_ns / 1e3:>9.1f}"
-            f"{r.encode_ratio:>6.2f}x  {_verdict(r.encode_ratio, r.encode_target):<12}|"
-            f"{r.decode_arrow.median_ns / 1e3:>10.1f}{r.decode_pickle.median_ns / 1e3:>9.1f}"
-            f"{r.decode_ratio:>6.2f}x  {_verdict(r.decode_ratio, r.decode_target):<12}|"
-            f"{r.decode_arrow_novalidate.median_ns / 1e3:>12.1f}"
-            f"{r.decode_novalidate_ratio:>6.2f}x"
+    novalid_head = " |" + "".join(f"{'nv x ' + PATH_LABELS[p]:>{RATIO_W}}" for p in PATHS)
+    lines = []
+    for op in ("encode", "decode"):
+        title = (
+            "ENCODE to_record_batch vs pickle.dumps"
+            if op == "encode"
+            else "DECODE from_record_batch (validate=True; nv: validate=False) vs pickle.loads"
         )
-    lines.append(
-        "times in us (median per call); x = pickle / arrow, >1 means arrow is faster; "
-        "targets: encode >=2x at 1024 and >=1x at 1, decode >=1x everywhere"
-    )
+        op_head = head + (novalid_head if op == "decode" else "")
+        lines += ["", title, op_head.rstrip(), "-" * len(op_head)]
+        for r in rows:
+            line = (
+                f"{r.workload:<15}{r.n:>5} |"
+                + "".join(_time_cell(r.stats.get((op, p))) for p in (*PATHS, "pickle"))
+                + f" |{_target_cell(op, r.n)}"
+                + "".join(
+                    _ratio_cell(r.ratios.get((op, p))) + _verdict_cell(r.ratios.get((op, p)))
+                    for p in PATHS
+                )
+            )
+            if op == "decode":
+                line += " |" + "".join(
+                    _ratio_cell(r.ratios.get(("decode_novalidate", p))) for p in PATHS
+                )
+            lines.append(line.rstrip())
+    lines += [
+        "",
+        "times: us per call, median ±half the interquartile range of the samples (% of the "
+        "median); * = median not settled within its time budget; n/a = path not measured",
+        "x = pickle / arrow (ratio of the medians; >1: arrow is faster) ±half the IQR of the "
+        "per-round paired ratios",
+        "verdict: PASS/MISS against the target; ? = the target lies within the paired ratios' "
+        "interquartile range (too close to call on this machine)",
+        "targets: encode >=2x at 1024 and >=1x at 1 request, decode >=1x at every size",
+    ]
     return "\n".join(lines)
 
 
-def _timing_json(t: Timing) -> dict[str, Any]:
+def summary(rows: list[Row], paths: list[str]) -> str:
+    """One line per path: how many targets it meets."""
+    out = []
+    for path in paths:
+        verdicts = [
+            r.ratios[op, path].verdict
+            for r in rows
+            for op in ("encode", "decode")
+            if r.ratios[op, path].target is not None
+        ]
+        passed = sum(v.startswith("PASS") for v in verdicts)
+        close = sum(v.endswith("?") for v in verdicts)
+        out.append(
+            f"{PATH_LABELS[path]} path: {passed}/{len(verdicts)} targets met"
+            f" ({close} too close to call)"
+        )
+    return "\n".join(out)
+
+
+def environment(accel: Accel, paths: list[str]) -> dict[str, Any]:
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        usable = os.cpu_count()
     return {
-        "median_ns": t.median_ns,
-        "min_ns": t.min_ns,
-        "calls_per_sample": t.calls_per_sample,
-        "samples": t.samples,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": usable,
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "arrow_outputs": ao.__version__,
+        "pyarrow": pa.__version__,
+        "numpy": np.__version__,
+        "paths_available": {"c": accel.c_available, "python": True},
+        "c_unavailable_because": accel.note or None,
+        "paths_measured": paths,
     }
 
 
-def _side(arrow: Timing, pickle_t: Timing, ratio: float, target: float | None) -> dict[str, Any]:
-    return {
-        "arrow": _timing_json(arrow),
-        "pickle": _timing_json(pickle_t),
-        "ratio": ratio,
-        "target": target,
-        "pass": None if target is None else ratio >= target,
-    }
+def header(env: dict[str, Any], quick: bool) -> str:
+    load = env["load_average"]
+    c = (
+        "available"
+        if env["paths_available"]["c"]
+        else f"unavailable ({env['c_unavailable_because']})"
+    )
+    return (
+        f"arrow_outputs {env['arrow_outputs']} | pyarrow {env['pyarrow']} | "
+        f"numpy {env['numpy']} | Python {env['python']} | {platform.system()} "
+        f"{env['machine']}, {env['cpu_count']} cores ({env['cpus_usable']} usable)"
+        + (f", load {load[0]:.2f}" if load else "")
+        + (" | --quick" if quick else "")
+        + f"\npaths: C (accelerated) {c} | pure Python available | measured: "
+        + ", ".join(PATH_LABELS[p] for p in env["paths_measured"])
+        + " (+ pickle)"
+    )
 
 
-def results_json(rows: list[Row], *, quick: bool, target_s: float) -> dict[str, Any]:
-    return {
-        "benchmark": "bench_encode",
-        "quick": quick,
-        "target_s_per_measurement": target_s,
-        "environment": {
-            "python": sys.version.split()[0],
-            "platform": platform.platform(),
-            "machine": platform.machine(),
-            "cpu_count": os.cpu_count(),
-            "arrow_outputs": ao.__version__,
-            "pyarrow": pa.__version__,
-            "numpy": np.__version__,
-        },
-        "results": [
+def results_json(
+    rows: list[Row], env: dict[str, Any], *, quick: bool, s: Settings, seconds: float
+) -> dict[str, Any]:
+    def figure(op: str, path: str) -> dict[str, Any] | None:
+        st = r.stats.get((op, path))
+        return None if st is None else st.json()
+
+    def ratio(op: str, path: str) -> dict[str, Any] | None:
+        ra = r.ratios.get((op, path))
+        return None if ra is None else ra.json()
+
+    results = []
+    for r in rows:
+        results.append(
             {
                 "workload": r.workload,
                 "n": r.n,
-                "encode": _side(r.encode_arrow, r.encode_pickle, r.encode_ratio, r.encode_target),
-                "decode": _side(r.decode_arrow, r.decode_pickle, r.decode_ratio, r.decode_target),
-                "decode_novalidate": _side(
-                    r.decode_arrow_novalidate, r.decode_pickle, r.decode_novalidate_ratio, None
-                ),
+                "rounds": r.rounds,
+                "seconds": r.seconds,
+                **{
+                    op: {
+                        "times": {
+                            **{p: figure(op, p) for p in PATHS},
+                            "pickle": figure(PICKLE_OF[op], "pickle"),
+                        },
+                        "ratio_pickle_over_arrow": {p: ratio(op, p) for p in PATHS},
+                    }
+                    for op in OPS
+                },
                 "pickle_bytes": r.pickle_bytes,
                 "pickle_oob_bytes": r.pickle_oob_bytes,
                 "arrow_buffer_bytes": r.arrow_bytes,
             }
-            for r in rows
-        ],
+        )
+    return {
+        "benchmark": "bench_encode",
+        "quick": quick,
+        "settings": {
+            "sample_ns": s.sample_ns,
+            "min_rounds": s.min_rounds,
+            "min_s_per_figure": s.min_s,
+            "budget_s_per_figure": s.budget_s,
+            "check_every_rounds": s.check_every,
+            "stable_checks": s.stable_checks,
+            "stable_tolerance": s.stable_tol,
+        },
+        "environment": env,
+        "seconds": seconds,
+        "targets": {
+            "encode": {str(n): t for n, t in ENCODE_TARGETS.items()},
+            "decode": DECODE_TARGET,
+        },
+        "results": results,
     }
 
 
@@ -394,23 +767,42 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--quick", action="store_true", help="short measurements (smoke run)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON")
+    parser.add_argument(
+        "--path",
+        choices=("both", "c", "python"),
+        default="both",
+        help="codec path(s) to time against pickle (both: C where available, and Python)",
+    )
     args = parser.parse_args(argv)
-    target_s = 0.02 if args.quick else 0.3
+    s = QUICK if args.quick else FULL
+    started = time.perf_counter()
+
+    accel = Accel.detect()
+    wanted = list(PATHS) if args.path == "both" else [args.path]
+    if not all(accel.available(p) for p in wanted) and args.path != "both":
+        parser.exit(2, f"--path {args.path}: the C path is unavailable: {accel.note}\n")
+    paths = [p for p in wanted if accel.available(p)]
+    env = environment(accel, paths)
 
     rows = []
-    for w in workloads():
-        rows.append(run_workload(w, target_s))
-        print(f"  measured {w.name} n={w.n}", file=sys.stderr, flush=True)
-    print(
-        f"arrow_outputs {ao.__version__} | pyarrow {pa.__version__} | numpy {np.__version__} | "
-        f"Python {sys.version.split()[0]} | {platform.machine()} x{os.cpu_count()}"
-        f"{' | --quick' if args.quick else ''}"
-    )
+    with accel.restored():
+        for w in workloads():
+            rows.append(run_workload(w, accel, paths, s))
+            r = rows[-1]
+            print(
+                f"  measured {w.name} n={w.n}: {r.rounds} rounds, {r.seconds:.1f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+    seconds = time.perf_counter() - started
+    print(header(env, args.quick))
     print(format_table(rows))
+    print()
+    print(summary(rows, paths))
+    print(f"run time {seconds:.0f} s")
     if args.json is not None:
-        args.json.write_text(
-            json.dumps(results_json(rows, quick=args.quick, target_s=target_s), indent=2) + "\n"
-        )
+        doc = results_json(rows, env, quick=args.quick, s=s, seconds=seconds)
+        args.json.write_text(json.dumps(doc, indent=2) + "\n")
         print(f"wrote {args.json}")
     return 0
 

@@ -53,6 +53,9 @@ from arrow_outputs import (
     to_record_batch,
 )
 
+# Every test here runs on the C accelerator and on the pure-Python path.
+pytestmark = pytest.mark.usefixtures("codec_path")
+
 KEY_STEP = b"arrow_outputs.step"
 
 # --------------------------------------------------------------------------- the helper

@@ -37,6 +37,9 @@ from arrow_outputs import (
     UnsupportedValueError,
 )
 
+# Every test here runs on the C accelerator and on the pure-Python path.
+pytestmark = pytest.mark.usefixtures("codec_path")
+
 # ----------------------------------------------------------------------------- builders
 
 

@@ -111,6 +111,9 @@ from arrow_outputs import (
     SamplingMaskLists,
 )
 
+# Every test here runs on the C accelerator and on the pure-Python path.
+pytestmark = pytest.mark.usefixtures("codec_path")
+
 KEY_STEP = b"arrow_outputs.step"
 KEY_FORMAT = b"arrow_outputs.format"
 KEY_VERSION = b"arrow_outputs.version"

@@ -38,6 +38,9 @@ from arrow_outputs import (
     to_record_batch,
 )
 
+# Every test here runs on the C accelerator and on the pure-Python path.
+pytestmark = pytest.mark.usefixtures("codec_path")
+
 SETTINGS = settings(
     max_examples=150,
     deadline=None,

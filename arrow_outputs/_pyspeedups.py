@@ -1,0 +1,295 @@
+"""The record-batch codec's walks over Python objects, in pure Python: the specification.
+
+``arrow_outputs._speedups`` is the compiled twin of this module; the two must give the same
+answer for every input (``tests/test_speedups.py`` runs both through the same tests), and
+``arrow_outputs._accel`` picks one. Read this module to learn what the C code does.
+
+Every function either does the whole job or returns ``None`` (``False`` for
+``index_in_order``): it never raises about the *data*. The caller then runs its own slow path,
+which finds the offending item and raises the precise error, so error text never depends on
+which path ran. Only misuse of the integer arguments raises (``TypeError`` for a non-integer,
+``OverflowError`` past ``Py_ssize_t``), and exceptions from user code (a buffer exporter, a
+key's ``__eq__``) propagate, exactly as in C.
+
+Conventions shared by all functions:
+
+- "exact" means ``type(x) is T``: subclasses are refused (a ``bool`` is not an ``int``, a list
+  subclass may redefine iteration).
+- Buffers are taken through the buffer protocol (``bytes``, numpy arrays, ``pyarrow.Buffer``)
+  as their raw bytes, C-contiguous only; an object without the protocol gives ``None``.
+  Integers in buffers are little-endian.
+- Arrow's offset width is int32: totals above ``2**31 - 1`` give ``None``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+import sys
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+__all__ = ["flatten_int_lists", "index_in_order", "split_int_lists", "str_list", "utf8_array"]
+
+_INT32_MAX = 2**31 - 1
+_SSIZE_MIN, _SSIZE_MAX = -sys.maxsize - 1, sys.maxsize  # the range of C Py_ssize_t
+# itemsize -> (little-endian numpy dtype, smallest value, largest value)
+_INT_TYPES: dict[int, tuple[str, int, int]] = {
+    4: ("<i4", -(2**31), 2**31 - 1),
+    8: ("<i8", -(2**63), 2**63 - 1),
+}
+
+
+def _ssize(x: Any) -> int:
+    """An integer argument, as the C module reads a ``Py_ssize_t`` (same exception types)."""
+    v = operator.index(x)
+    if not _SSIZE_MIN <= v <= _SSIZE_MAX:
+        raise OverflowError("Python int too large to convert to C ssize_t")
+    return v
+
+
+def _raw_bytes(obj: Any) -> np.ndarray | None:
+    """The bytes behind a buffer-protocol object as a uint8 array, or None.
+
+    ``memoryview`` asks for the same buffer (``PyBUF_FULL_RO``) as the C module does, so an
+    exporter's own error propagates the same way on both paths; only "no buffer protocol"
+    (``TypeError``) means None.
+    """
+    try:
+        m = memoryview(obj)
+    except TypeError:
+        return None
+    if not m.c_contiguous:
+        return None
+    return np.frombuffer(m, dtype=np.uint8)
+
+
+def _int32_offsets(lengths: Any, count: int) -> bytes:
+    offsets = np.zeros(count + 1, dtype="<i4")
+    np.cumsum(np.fromiter(lengths, dtype=np.int64, count=count), out=offsets[1:])
+    return offsets.tobytes()
+
+
+def flatten_int_lists(lists: Any, n: Any, itemsize: Any, /) -> tuple[bytes, bytes] | None:
+    """The values and int32 offsets of an Arrow list array built from a list of lists of int.
+
+    Parameters
+    ----------
+    lists
+        An exact ``list`` of ``n`` exact ``list`` of exact ``int``.
+    n
+        The number of lists expected.
+    itemsize
+        4 (int32 values) or 8 (int64 values).
+
+    Returns
+    -------
+    tuple of bytes or None
+        ``(values, offsets)``: little-endian signed ints of ``itemsize`` bytes, and ``n + 1``
+        little-endian int32 offsets from 0. None for anything else: another ``itemsize``, a
+        count other than ``n``, a non-list, a non-int (``bool`` included), a value outside the
+        range of ``itemsize`` bytes, or more than ``2**31 - 1`` values in all.
+
+    Examples
+    --------
+    >>> values, offsets = flatten_int_lists([[1, 2], [], [-1]], 3, 4)
+    >>> np.frombuffer(values, "<i4").tolist(), np.frombuffer(offsets, "<i4").tolist()
+    ([1, 2, -1], [0, 2, 2, 3])
+    >>> flatten_int_lists([[True]], 1, 8) is None
+    True
+    """
+    n, itemsize = _ssize(n), _ssize(itemsize)
+    if itemsize not in _INT_TYPES or type(lists) is not list or len(lists) != n:
+        return None
+    if list(map(type, lists)).count(list) != n:  # the C-level form of all(type(x) is list)
+        return None
+    if sum(map(len, lists)) > _INT32_MAX:  # before flattening: the total bounds the memory
+        return None
+    flat = list(itertools.chain.from_iterable(lists))
+    if list(map(type, flat)).count(int) != len(flat):
+        return None
+    try:
+        values = np.array(flat, dtype="<i8")  # exact ints only: OverflowError past int64
+    except OverflowError:
+        return None
+    dtype, lo, hi = _INT_TYPES[itemsize]
+    if itemsize == 4 and values.size and (values.min() < lo or values.max() > hi):
+        return None
+    return values.astype(dtype, copy=False).tobytes(), _int32_offsets(map(len, lists), n)
+
+
+def utf8_array(strs: Any, /) -> tuple[bytes, bytes] | None:
+    """The int32 offsets and UTF-8 data of an Arrow string array built from a list of str.
+
+    Returns
+    -------
+    tuple of bytes or None
+        ``(offsets, data)``: ``len(strs) + 1`` little-endian int32 offsets from 0, and the
+        strings' UTF-8 bytes end to end. None when ``strs`` is not an exact ``list``, an item
+        is not an exact ``str``, an item has no UTF-8 form (a lone surrogate), or the data
+        exceeds ``2**31 - 1`` bytes.
+
+    Examples
+    --------
+    >>> offsets, data = utf8_array(["ab", "", "é"])
+    >>> np.frombuffer(offsets, "<i4").tolist(), data
+    ([0, 2, 2, 4], b'ab\\xc3\\xa9')
+    >>> utf8_array(["\\ud800"]) is None
+    True
+    """
+    if type(strs) is not list or list(map(type, strs)).count(str) != len(strs):
+        return None
+    chars = list(map(len, strs))
+    total_chars = sum(chars)
+    if total_chars > _INT32_MAX:  # UTF-8 has at least a byte a character: too long already
+        return None
+    try:
+        # One encode of the whole: the UTF-8 encoder refuses every surrogate code point,
+        # paired or not, so joining first cannot make a valid string out of two invalid ones.
+        data = "".join(strs).encode("utf-8")
+    except UnicodeEncodeError:
+        return None
+    if len(data) > _INT32_MAX:
+        return None
+    # As many bytes as characters: all ASCII, so each string's byte length is its length.
+    ascii_only = len(data) == total_chars
+    lengths = chars if ascii_only else [len(s.encode("utf-8")) for s in strs]
+    return _int32_offsets(lengths, len(strs)), data
+
+
+def index_in_order(req_ids: Any, index: Any, /) -> bool:
+    """Whether ``index`` maps ``req_ids[i]`` to ``i``, in ``req_ids``' order.
+
+    For an exact ``list`` and an exact ``dict`` this is the Python expression below, with its
+    answer, its order of ``__eq__`` calls and its exceptions; for anything else it is False
+    (a subclass may redefine iteration or equality: the caller's slow path judges it).
+
+    Examples
+    --------
+    >>> index_in_order(["a", "b"], {"a": 0, "b": 1})
+    True
+    >>> index_in_order(["a", "b"], {"b": 1, "a": 0})
+    False
+    """
+    if type(req_ids) is not list or type(index) is not dict:
+        return False
+    return bool(list(index) == req_ids and list(index.values()) == list(range(len(req_ids))))
+
+
+def str_list(offsets: Any, data: Any, offset: Any, n: Any, /) -> list[str] | None:
+    """The Python strs of an Arrow string array, from its offsets and data buffers.
+
+    Parameters
+    ----------
+    offsets
+        The array's int32 offsets buffer (of the unsliced array).
+    data
+        The array's data buffer.
+    offset, n
+        The array's slice offset and length: offsets ``offset`` to ``offset + n`` are read.
+
+    Returns
+    -------
+    list of str or None
+        None when ``offset`` or ``n`` is negative, a buffer lacks the buffer protocol or is not
+        C-contiguous, the offsets buffer is too short, an offset is negative, smaller than the
+        one before it or past the end of ``data``, or a string is not valid UTF-8. ``n == 0``
+        reads no offsets and gives ``[]``.
+
+    Examples
+    --------
+    >>> import pyarrow as pa
+    >>> arr = pa.array(["x", "yz", None, "w"])[1:]
+    >>> _, offs, data = arr.buffers()
+    >>> str_list(offs, data, arr.offset, 2)
+    ['yz', '']
+    """
+    offset, n = _ssize(offset), _ssize(n)
+    offs_bytes, data_bytes = _raw_bytes(offsets), _raw_bytes(data)
+    if offs_bytes is None or data_bytes is None or offset < 0 or n < 0:
+        return None
+    if n == 0:
+        return []
+    if len(offs_bytes) // 4 - offset < n + 1:
+        return None
+    offs = offs_bytes[offset * 4 : (offset + n + 1) * 4].view("<i4").astype(np.int64)
+    lo, hi = int(offs[0]), int(offs[-1])
+    if lo < 0 or hi > len(data_bytes) or (offs[1:] < offs[:-1]).any():
+        return None
+    if not _slices_are_utf8(data_bytes[lo:hi], offs[1:-1] - lo):
+        return None
+    # Checked: offsets in bounds and every string valid UTF-8, so Arrow's own conversion
+    # (the codec's former path) gives exactly the strs a decode of each slice would.
+    arr = pa.Array.from_buffers(
+        pa.string(), n, [None, pa.py_buffer(offs_bytes), pa.py_buffer(data_bytes)], offset=offset
+    )
+    strs: list[str] = arr.to_numpy(zero_copy_only=False).tolist()
+    return strs
+
+
+def _slices_are_utf8(window: np.ndarray, cuts: np.ndarray) -> bool:
+    """Whether every slice of ``window`` between consecutive ``cuts`` is valid UTF-8.
+
+    The slices tile the window, so they are all valid exactly when the window is and no cut
+    falls inside a character, that is on a continuation byte (``0b10xxxxxx``).
+    """
+    raw = window.tobytes()
+    if raw.isascii():
+        return True  # every slice of ASCII is valid UTF-8
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    inner = cuts[cuts < len(raw)]
+    return not ((window[inner] & 0xC0) == 0x80).any()
+
+
+def split_int_lists(values: Any, offsets: Any, itemsize: Any, n: Any, /) -> list[list[int]] | None:
+    """The lists of Python ints of an Arrow list array, from its values and offsets buffers.
+
+    Parameters
+    ----------
+    values
+        The values buffer: signed little-endian ints of ``itemsize`` (4 or 8) bytes.
+    offsets
+        ``n + 1`` int32 offsets, already sliced (entry 0 starts the first list); they index
+        ``values`` from its start.
+    itemsize
+        4 or 8.
+    n
+        The number of lists.
+
+    Returns
+    -------
+    list of list of int or None
+        None when ``itemsize`` is not 4 or 8, ``n`` is negative, a buffer lacks the buffer
+        protocol or is not C-contiguous, the offsets buffer holds fewer than ``n + 1``
+        entries, or an offset is negative, smaller than the one before it, or past the
+        ``len(values) // itemsize`` values. ``n == 0`` reads no offsets and gives ``[]``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> split_int_lists(np.arange(6, dtype=np.int64), np.array([1, 3, 3, 6], np.int32), 8, 3)
+    [[1, 2], [], [3, 4, 5]]
+    """
+    itemsize, n = _ssize(itemsize), _ssize(n)
+    vals_bytes, offs_bytes = _raw_bytes(values), _raw_bytes(offsets)
+    if vals_bytes is None or offs_bytes is None or itemsize not in _INT_TYPES or n < 0:
+        return None
+    if n == 0:
+        return []
+    if len(offs_bytes) // 4 < n + 1:
+        return None
+    offs = offs_bytes[: (n + 1) * 4].view("<i4").astype(np.int64)
+    lengths = np.diff(offs)
+    lo, hi = int(offs[0]), int(offs[-1])
+    if lo < 0 or hi > len(vals_bytes) // itemsize or (lengths < 0).any():
+        return None
+    flat = vals_bytes[lo * itemsize : hi * itemsize].view(_INT_TYPES[itemsize][0])
+    if (lengths == lengths[0]).all():  # equal lengths (a decode step): one C-level tolist
+        return flat.reshape(n, int(lengths[0])).tolist()
+    values = flat.tolist()
+    return [values[a:b] for a, b in itertools.pairwise((offs - lo).tolist())]

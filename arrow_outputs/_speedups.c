@@ -1,0 +1,643 @@
+/*
+ * arrow_outputs._speedups: the record-batch codec's walks over Python objects, in C.
+ *
+ * arrow_outputs/_pyspeedups.py is the specification: every function here gives the same
+ * answer as its pure-Python twin for every input, and tests/test_speedups.py runs both
+ * through the same tests. Each function either does the whole job or returns None (False
+ * for index_in_order) so that the caller's slow path raises the precise error.
+ *
+ * Rules kept throughout:
+ * - every type is checked before a macro that assumes it (PyList_GET_ITEM after
+ *   PyList_CheckExact), every buffer length and offset is checked before it is read, and
+ *   every total is checked before it could overflow;
+ * - outputs are sized first, then filled, and the fill re-checks what it relies on;
+ * - every acquired buffer is released on every path (one cleanup label per function);
+ * - only index_in_order can run user code (__eq__), and it does so only on a path that
+ *   works on its own references (see there).
+ *
+ * Uses only the CPython C API. Compiles warning-free with -Wall -Wextra -Werror.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdint.h>
+#include <string.h>
+
+/* Arrow buffers here are little-endian and the code stores native integers; a big-endian
+ * machine builds no extension (setup.py marks it optional) and runs the pure-Python path. */
+#if !PY_LITTLE_ENDIAN
+#error "arrow_outputs._speedups assumes a little-endian machine"
+#endif
+
+#define OFFSET_MAX ((Py_ssize_t)INT32_MAX) /* Arrow's int32 offsets */
+
+static int
+check_nargs(const char *name, Py_ssize_t nargs, Py_ssize_t expected)
+{
+    if (nargs != expected) {
+        PyErr_Format(PyExc_TypeError, "%s() takes exactly %zd arguments (%zd given)", name,
+                     expected, nargs);
+        return 0;
+    }
+    return 1;
+}
+
+/* An integer argument as Py_ssize_t: TypeError for a non-integer, OverflowError past the
+ * range (as _pyspeedups._ssize). Returns 0 with an exception set on failure. */
+static int
+ssize_arg(PyObject *obj, Py_ssize_t *out)
+{
+    Py_ssize_t v = PyNumber_AsSsize_t(obj, PyExc_OverflowError);
+    if (v == -1 && PyErr_Occurred()) {
+        return 0;
+    }
+    *out = v;
+    return 1;
+}
+
+/* The raw bytes of a buffer-protocol object, as _pyspeedups._raw_bytes: asks for the same
+ * buffer as memoryview() (PyBUF_FULL_RO) so exporters fail alike on both paths.
+ * Returns 1 with `view` held (the caller releases it), 0 when the object cannot be used
+ * (no buffer protocol, or not C-contiguous; nothing held, no exception), -1 on error. */
+static int
+get_bytes(PyObject *obj, Py_buffer *view)
+{
+    if (PyObject_GetBuffer(obj, view, PyBUF_FULL_RO) < 0) {
+        if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+            PyErr_Clear();
+            return 0;
+        }
+        return -1;
+    }
+    if (view->len < 0 || (view->len > 0 && view->buf == NULL) ||
+        !PyBuffer_IsContiguous(view, 'C')) {
+        PyBuffer_Release(view);
+        return 0;
+    }
+    return 1;
+}
+
+static inline int32_t
+load_i32(const char *p, Py_ssize_t i)
+{
+    int32_t v;
+    memcpy(&v, p + i * 4, 4); /* memcpy: Arrow buffers from user code need not be aligned */
+    return v;
+}
+
+static inline void
+store_i32(char *p, Py_ssize_t i, int32_t v)
+{
+    memcpy(p + i * 4, &v, 4);
+}
+
+/* Checks offsets[0 .. count) (count >= 1): the first >= 0, non-decreasing, the last <= limit.
+ * The Arrow offsets passed here come from buffers of any origin, so nothing is assumed. */
+static int
+offsets_valid(const char *offs, Py_ssize_t count, Py_ssize_t limit)
+{
+    int32_t prev = load_i32(offs, 0);
+    if (prev < 0) {
+        return 0;
+    }
+    for (Py_ssize_t i = 1; i < count; i++) {
+        int32_t cur = load_i32(offs, i);
+        if (cur < prev) {
+            return 0;
+        }
+        prev = cur;
+    }
+    return (Py_ssize_t)prev <= limit;
+}
+
+/* flatten_int_lists(lists, n, itemsize) -> (values, offsets) | None */
+static PyObject *
+flatten_int_lists(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *lists, *values = NULL, *offsets = NULL, *result = NULL;
+    Py_ssize_t n, itemsize, total = 0, pos = 0;
+    long long lo, hi;
+    char *vbuf, *obuf;
+
+    if (!check_nargs("flatten_int_lists", nargs, 3) || !ssize_arg(args[1], &n) ||
+        !ssize_arg(args[2], &itemsize)) {
+        return NULL;
+    }
+    lists = args[0];
+    if (itemsize == 4) {
+        lo = INT32_MIN;
+        hi = INT32_MAX;
+    }
+    else if (itemsize == 8) {
+        lo = LLONG_MIN;
+        hi = LLONG_MAX;
+    }
+    else {
+        Py_RETURN_NONE;
+    }
+    if (!PyList_CheckExact(lists) || PyList_GET_SIZE(lists) != n) {
+        Py_RETURN_NONE;
+    }
+    /* Pass 1: the shape. No user code runs in either pass: exact lists and exact ints only. */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyList_GET_ITEM(lists, i);
+        if (!PyList_CheckExact(item)) {
+            Py_RETURN_NONE;
+        }
+        if (PyList_GET_SIZE(item) > OFFSET_MAX - total) { /* subtracted: cannot overflow */
+            Py_RETURN_NONE;
+        }
+        total += PyList_GET_SIZE(item);
+    }
+    /* (n + 1) * 4 cannot overflow for a list that exists, nor total * 8 for total <=
+     * OFFSET_MAX on 64-bit; the checks keep 32-bit builds honest. */
+    if (n > PY_SSIZE_T_MAX / 4 - 1 || total > PY_SSIZE_T_MAX / itemsize) {
+        Py_RETURN_NONE;
+    }
+    values = PyBytes_FromStringAndSize(NULL, total * itemsize);
+    offsets = PyBytes_FromStringAndSize(NULL, (n + 1) * 4);
+    if (values == NULL || offsets == NULL) {
+        goto done;
+    }
+    vbuf = PyBytes_AS_STRING(values);
+    obuf = PyBytes_AS_STRING(offsets);
+    store_i32(obuf, 0, 0);
+    /* Pass 2: the values. Re-check the list and the sizes pass 1 measured: the buffers were
+     * sized from them. */
+    if (!PyList_CheckExact(lists) || PyList_GET_SIZE(lists) != n) {
+        goto none;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyList_GET_ITEM(lists, i);
+        Py_ssize_t size;
+        if (!PyList_CheckExact(item)) {
+            goto none;
+        }
+        size = PyList_GET_SIZE(item);
+        if (size > total - pos) {
+            goto none;
+        }
+        for (Py_ssize_t j = 0; j < size; j++) {
+            PyObject *v = PyList_GET_ITEM(item, j);
+            int overflow;
+            long long x;
+            if (!PyLong_CheckExact(v)) { /* bool, int subclasses, floats: the slow path */
+                goto none;
+            }
+            x = PyLong_AsLongLongAndOverflow(v, &overflow);
+            if (x == -1 && PyErr_Occurred()) {
+                goto done;
+            }
+            if (overflow != 0 || x < lo || x > hi) {
+                goto none;
+            }
+            if (itemsize == 4) {
+                int32_t y = (int32_t)x;
+                memcpy(vbuf + pos * 4, &y, 4);
+            }
+            else {
+                int64_t y = (int64_t)x;
+                memcpy(vbuf + pos * 8, &y, 8);
+            }
+            pos++;
+        }
+        store_i32(obuf, i + 1, (int32_t)pos); /* pos <= total <= OFFSET_MAX */
+    }
+    if (pos != total) {
+        goto none;
+    }
+    result = PyTuple_Pack(2, values, offsets);
+    goto done;
+none:
+    result = Py_NewRef(Py_None);
+done:
+    Py_XDECREF(values);
+    Py_XDECREF(offsets);
+    return result;
+}
+
+/* The UTF-8 form of an exact str: 1 with (*s, *len), 0 when it has none (a lone surrogate;
+ * no exception left), -1 on error. PyUnicode_AsUTF8AndSize caches the form in the str, so
+ * the second pass finds it again without encoding. */
+static int
+utf8_of(PyObject *str, const char **s, Py_ssize_t *len)
+{
+    *s = PyUnicode_AsUTF8AndSize(str, len);
+    if (*s == NULL) {
+        if (PyErr_ExceptionMatches(PyExc_UnicodeEncodeError)) {
+            PyErr_Clear();
+            return 0;
+        }
+        return -1;
+    }
+    return 1;
+}
+
+/* utf8_array(strs) -> (offsets, data) | None */
+static PyObject *
+utf8_array(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *strs, *offsets = NULL, *data = NULL, *result = NULL;
+    Py_ssize_t n, total = 0, pos = 0, len;
+    const char *s;
+    char *obuf, *dbuf;
+    int ok;
+
+    if (!check_nargs("utf8_array", nargs, 1)) {
+        return NULL;
+    }
+    strs = args[0];
+    if (!PyList_CheckExact(strs)) {
+        Py_RETURN_NONE;
+    }
+    n = PyList_GET_SIZE(strs);
+    /* Pass 1: the sizes. No user code runs: exact strs only. */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyList_GET_ITEM(strs, i);
+        if (!PyUnicode_CheckExact(item)) {
+            Py_RETURN_NONE;
+        }
+        ok = utf8_of(item, &s, &len);
+        if (ok <= 0) {
+            return ok < 0 ? NULL : Py_NewRef(Py_None);
+        }
+        if (len > OFFSET_MAX - total) {
+            Py_RETURN_NONE;
+        }
+        total += len;
+    }
+    if (n > PY_SSIZE_T_MAX / 4 - 1) {
+        Py_RETURN_NONE;
+    }
+    offsets = PyBytes_FromStringAndSize(NULL, (n + 1) * 4);
+    data = PyBytes_FromStringAndSize(NULL, total);
+    if (offsets == NULL || data == NULL) {
+        goto done;
+    }
+    obuf = PyBytes_AS_STRING(offsets);
+    dbuf = PyBytes_AS_STRING(data);
+    store_i32(obuf, 0, 0);
+    /* Pass 2: the bytes, re-checking what the buffers were sized from. */
+    if (PyList_GET_SIZE(strs) != n) {
+        goto none;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyList_GET_ITEM(strs, i);
+        if (!PyUnicode_CheckExact(item)) {
+            goto none;
+        }
+        ok = utf8_of(item, &s, &len);
+        if (ok < 0) {
+            goto done;
+        }
+        if (ok == 0 || len > total - pos) {
+            goto none;
+        }
+        memcpy(dbuf + pos, s, (size_t)len);
+        pos += len;
+        store_i32(obuf, i + 1, (int32_t)pos); /* pos <= total <= OFFSET_MAX */
+    }
+    if (pos != total) {
+        goto none;
+    }
+    result = PyTuple_Pack(2, offsets, data);
+    goto done;
+none:
+    result = Py_NewRef(Py_None);
+done:
+    Py_XDECREF(offsets);
+    Py_XDECREF(data);
+    return result;
+}
+
+/* The Python expression, evaluated through the C API exactly as the interpreter does:
+ *     list(index) == req_ids and list(index.values()) == list(range(len(req_ids)))
+ * User __eq__ may run here and may mutate req_ids or index: every object used is held by a
+ * list this function owns (PyDict_Keys / PyDict_Values snapshot the dict like list() does),
+ * and list_richcompare re-reads sizes after each call, as in Python. */
+static PyObject *
+index_in_order_generic(PyObject *req_ids, PyObject *index)
+{
+    PyObject *keys, *vals, *range, *cmp;
+    Py_ssize_t n;
+    int truth;
+
+    keys = PyDict_Keys(index);
+    if (keys == NULL) {
+        return NULL;
+    }
+    cmp = PyObject_RichCompare(keys, req_ids, Py_EQ);
+    Py_DECREF(keys);
+    if (cmp == NULL) {
+        return NULL;
+    }
+    truth = PyObject_IsTrue(cmp);
+    Py_DECREF(cmp);
+    if (truth <= 0) {
+        return truth < 0 ? NULL : Py_NewRef(Py_False);
+    }
+    vals = PyDict_Values(index);
+    if (vals == NULL) {
+        return NULL;
+    }
+    n = PyList_GET_SIZE(req_ids); /* still an exact list: a list's __class__ is fixed */
+    range = PyList_New(n);
+    if (range == NULL) {
+        Py_DECREF(vals);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *v = PyLong_FromSsize_t(i);
+        if (v == NULL) {
+            Py_DECREF(vals);
+            Py_DECREF(range);
+            return NULL;
+        }
+        PyList_SET_ITEM(range, i, v);
+    }
+    cmp = PyObject_RichCompare(vals, range, Py_EQ);
+    Py_DECREF(vals);
+    Py_DECREF(range);
+    if (cmp == NULL) {
+        return NULL;
+    }
+    truth = PyObject_IsTrue(cmp);
+    Py_DECREF(cmp);
+    if (truth < 0) {
+        return NULL;
+    }
+    return Py_NewRef(truth ? Py_True : Py_False);
+}
+
+/* index_in_order(req_ids, index) -> bool
+ *
+ * The fast passes below read the dict with PyDict_Next and borrowed references, which is
+ * safe only while no user code runs: they compare only pairs whose comparison cannot call
+ * back into Python (the same object; two exact strs; an exact int against i) and hand any
+ * other pair to index_in_order_generic, which starts over on owned references. Starting
+ * over is exact: the comparisons already made had no side effects. Keys are all compared
+ * before any value, as in the expression, so a value never decides before a key's __eq__
+ * has run. */
+static PyObject *
+index_in_order(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *req_ids, *index, *key, *value;
+    Py_ssize_t n, pos, i;
+
+    if (!check_nargs("index_in_order", nargs, 2)) {
+        return NULL;
+    }
+    req_ids = args[0];
+    index = args[1];
+    if (!PyList_CheckExact(req_ids) || !PyDict_CheckExact(index)) {
+        Py_RETURN_FALSE;
+    }
+    n = PyList_GET_SIZE(req_ids);
+    if (PyDict_GET_SIZE(index) != n) {
+        Py_RETURN_FALSE; /* list_richcompare's first shortcut: the sizes differ */
+    }
+    pos = 0;
+    i = 0;
+    while (PyDict_Next(index, &pos, &key, NULL)) {
+        PyObject *rid;
+        int eq;
+        if (i >= n) { /* cannot happen (sizes are equal, nothing runs); never read past */
+            return index_in_order_generic(req_ids, index);
+        }
+        rid = PyList_GET_ITEM(req_ids, i);
+        i++;
+        if (key == rid) {
+            continue;
+        }
+        if (!PyUnicode_CheckExact(key) || !PyUnicode_CheckExact(rid)) {
+            return index_in_order_generic(req_ids, index);
+        }
+        eq = PyObject_RichCompareBool(key, rid, Py_EQ); /* str == str: no user code */
+        if (eq < 0) {
+            return NULL;
+        }
+        if (!eq) {
+            Py_RETURN_FALSE;
+        }
+    }
+    pos = 0;
+    i = 0;
+    while (PyDict_Next(index, &pos, NULL, &value)) {
+        int overflow;
+        long long x;
+        if (!PyLong_CheckExact(value)) { /* True, 0.0, numpy ints: their __eq__ decides */
+            return index_in_order_generic(req_ids, index);
+        }
+        x = PyLong_AsLongLongAndOverflow(value, &overflow);
+        if (x == -1 && PyErr_Occurred()) {
+            return NULL;
+        }
+        if (overflow != 0 || x != (long long)i) {
+            Py_RETURN_FALSE;
+        }
+        i++;
+    }
+    Py_RETURN_TRUE;
+}
+
+/* str_list(offsets, data, offset, n) -> list[str] | None */
+static PyObject *
+str_list(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer obuf, dbuf;
+    int have_o = 0, have_d = 0;
+    Py_ssize_t offset, n;
+    PyObject *result = NULL, *list = NULL;
+
+    if (!check_nargs("str_list", nargs, 4) || !ssize_arg(args[2], &offset) ||
+        !ssize_arg(args[3], &n)) {
+        return NULL;
+    }
+    have_o = get_bytes(args[0], &obuf);
+    if (have_o < 0) {
+        return NULL;
+    }
+    have_d = get_bytes(args[1], &dbuf);
+    if (have_d < 0) {
+        goto done;
+    }
+    if (have_o == 0 || have_d == 0 || offset < 0 || n < 0) {
+        goto none;
+    }
+    if (n == 0) {
+        result = PyList_New(0);
+        goto done;
+    }
+    /* offset + n + 1 entries needed; written so that nothing can overflow */
+    if (obuf.len / 4 - offset < 1 || obuf.len / 4 - offset - 1 < n) {
+        goto none;
+    }
+    {
+        const char *offs = (const char *)obuf.buf + offset * 4;
+        const char *data = (const char *)dbuf.buf;
+        if (!offsets_valid(offs, n + 1, dbuf.len)) {
+            goto none;
+        }
+        list = PyList_New(n);
+        if (list == NULL) {
+            goto done;
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int32_t a = load_i32(offs, i), b = load_i32(offs, i + 1);
+            /* An empty data buffer may have a NULL address: form no pointer from it. */
+            PyObject *s = b > a ? PyUnicode_DecodeUTF8(data + a, (Py_ssize_t)b - a, "strict")
+                                : PyUnicode_New(0, 0);
+            if (s == NULL) {
+                if (PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) {
+                    PyErr_Clear();
+                    goto none;
+                }
+                goto done;
+            }
+            PyList_SET_ITEM(list, i, s);
+        }
+        result = list;
+        list = NULL;
+        goto done;
+    }
+none:
+    result = Py_NewRef(Py_None);
+done:
+    Py_XDECREF(list);
+    if (have_o > 0) {
+        PyBuffer_Release(&obuf);
+    }
+    if (have_d > 0) {
+        PyBuffer_Release(&dbuf);
+    }
+    return result;
+}
+
+/* split_int_lists(values, offsets, itemsize, n) -> list[list[int]] | None */
+static PyObject *
+split_int_lists(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer vbuf, obuf;
+    int have_v = 0, have_o = 0;
+    Py_ssize_t itemsize, n;
+    PyObject *result = NULL, *outer = NULL;
+
+    if (!check_nargs("split_int_lists", nargs, 4) || !ssize_arg(args[2], &itemsize) ||
+        !ssize_arg(args[3], &n)) {
+        return NULL;
+    }
+    have_v = get_bytes(args[0], &vbuf);
+    if (have_v < 0) {
+        return NULL;
+    }
+    have_o = get_bytes(args[1], &obuf);
+    if (have_o < 0) {
+        goto done;
+    }
+    if (have_v == 0 || have_o == 0 || (itemsize != 4 && itemsize != 8) || n < 0) {
+        goto none;
+    }
+    if (n == 0) {
+        result = PyList_New(0);
+        goto done;
+    }
+    if (obuf.len / 4 - 1 < n) { /* n + 1 entries needed */
+        goto none;
+    }
+    {
+        const char *offs = (const char *)obuf.buf;
+        const char *vals = (const char *)vbuf.buf;
+        if (!offsets_valid(offs, n + 1, vbuf.len / itemsize)) {
+            goto none;
+        }
+        outer = PyList_New(n);
+        if (outer == NULL) {
+            goto done;
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            Py_ssize_t a = load_i32(offs, i), b = load_i32(offs, i + 1);
+            PyObject *inner = PyList_New(b - a);
+            if (inner == NULL) {
+                goto done;
+            }
+            PyList_SET_ITEM(outer, i, inner); /* the outer list owns it from here */
+            for (Py_ssize_t j = a; j < b; j++) {
+                PyObject *v;
+                if (itemsize == 4) {
+                    int32_t x;
+                    memcpy(&x, vals + j * 4, 4);
+                    v = PyLong_FromLong((long)x);
+                }
+                else {
+                    int64_t x;
+                    memcpy(&x, vals + j * 8, 8);
+                    v = PyLong_FromLongLong((long long)x);
+                }
+                if (v == NULL) {
+                    goto done;
+                }
+                PyList_SET_ITEM(inner, j - a, v);
+            }
+        }
+        result = outer;
+        outer = NULL;
+        goto done;
+    }
+none:
+    result = Py_NewRef(Py_None);
+done:
+    Py_XDECREF(outer);
+    if (have_v > 0) {
+        PyBuffer_Release(&vbuf);
+    }
+    if (have_o > 0) {
+        PyBuffer_Release(&obuf);
+    }
+    return result;
+}
+
+static PyMethodDef speedups_methods[] = {
+    {"flatten_int_lists", (PyCFunction)(void (*)(void))flatten_int_lists, METH_FASTCALL,
+     "flatten_int_lists(lists, n, itemsize, /)\n--\n\n"
+     "(values, offsets) bytes of an Arrow list array, or None (see _pyspeedups)."},
+    {"utf8_array", (PyCFunction)(void (*)(void))utf8_array, METH_FASTCALL,
+     "utf8_array(strs, /)\n--\n\n"
+     "(offsets, data) bytes of an Arrow string array, or None (see _pyspeedups)."},
+    {"index_in_order", (PyCFunction)(void (*)(void))index_in_order, METH_FASTCALL,
+     "index_in_order(req_ids, index, /)\n--\n\n"
+     "Whether index maps req_ids[i] to i in order (see _pyspeedups)."},
+    {"str_list", (PyCFunction)(void (*)(void))str_list, METH_FASTCALL,
+     "str_list(offsets, data, offset, n, /)\n--\n\n"
+     "The strs of an Arrow string array's buffers, or None (see _pyspeedups)."},
+    {"split_int_lists", (PyCFunction)(void (*)(void))split_int_lists, METH_FASTCALL,
+     "split_int_lists(values, offsets, itemsize, n, /)\n--\n\n"
+     "The lists of ints of an Arrow list array's buffers, or None (see _pyspeedups)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyModuleDef_Slot speedups_slots[] = {
+#if PY_VERSION_HEX >= 0x030C0000
+    /* No module state and no globals: safe in every interpreter. */
+    {Py_mod_multiple_interpreters, Py_MOD_PER_INTERPRETER_GIL_SUPPORTED},
+#endif
+#ifdef Py_mod_gil
+    /* The GIL is needed: the walks read lists and dicts through borrowed references. */
+    {Py_mod_gil, Py_MOD_GIL_USED},
+#endif
+    {0, NULL},
+};
+
+static struct PyModuleDef speedups_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "arrow_outputs._speedups",
+    .m_doc = "Compiled twin of arrow_outputs._pyspeedups (the specification).",
+    .m_size = 0,
+    .m_methods = speedups_methods,
+    .m_slots = speedups_slots,
+};
+
+PyMODINIT_FUNC
+PyInit__speedups(void)
+{
+    return PyModuleDef_Init(&speedups_module);
+}
