@@ -7,6 +7,9 @@ TORCH  := torch==2.13.0
 # Extra pip arguments for that install, e.g. a CPU wheel index where pip does not find one.
 TORCH_PIP_ARGS ?=
 STAMP  := $(VENV)/.installed
+# The C accelerator must build here (a failed compile fails the install instead of falling back
+# to pure Python quietly); tests/test_speedups.py checks it imported. Override with =0.
+export ARROW_OUTPUTS_REQUIRE_SPEEDUPS ?= 1
 
 .PHONY: install test lint typecheck unit docs notebooks bench clean
 
