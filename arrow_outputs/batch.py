@@ -957,11 +957,14 @@ def step_metadata(
     return meta
 
 
-def _resolve(batch: Any, custom_metadata: Any, missing: str) -> tuple[dict[str, Any], bool]:
+def _resolve(
+    batch: Any, custom_metadata: Any, missing: str, format_checked: bool = False
+) -> tuple[dict[str, Any], bool]:
     """(checked step JSON, whether a head slice of its step may be decoded)."""
     if not isinstance(batch, pa.RecordBatch):
         raise FieldTypeError("batch", "a pyarrow.RecordBatch", describe(batch))
-    check_format(batch.schema)
+    if not format_checked:
+        check_format(batch.schema)
     if missing not in MISSING_POLICIES:
         raise FieldTypeError(
             "missing_step_metadata", " or ".join(map(repr, MISSING_POLICIES)), repr(missing)
@@ -1128,7 +1131,7 @@ def from_record_batch(
     schema = batch.schema
     check_format(schema)  # every batch: the run cache below ignores metadata
     types = _decode_types(schema)
-    meta, head_slice_ok = _resolve(batch, custom_metadata, missing_step_metadata)
+    meta, head_slice_ok = _resolve(batch, custom_metadata, missing_step_metadata, True)
     allowed = allow_list(classes)
     if validate not in (True, False):
         raise FieldTypeError("validate", "True or False", describe(validate))
