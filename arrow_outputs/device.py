@@ -1,0 +1,339 @@
+"""Device tensors to Arrow and back: DLPack crossing and a pool of pinned host slabs.
+
+pyarrow has no device memory of its own (its PyPI wheel has no CUDA), so device tensors reach
+Arrow through host memory: a device-to-host copy into a *slab* of pinned memory, made on a side
+stream and marked by an event, and Arrow buffers that point into the slab. The
+:class:`StagingPool` owns the slabs and hands a slab out again only once nothing views it any
+more: every Arrow buffer, array, record batch, numpy array and tensor made over a staged region
+keeps its lease alive, and the lease's end returns the slab.
+
+Without CUDA the same code runs over plain host memory with synchronous copies, so the
+recycling logic is tested on any machine.
+
+torch is imported only when a tensor is made or read (``import arrow_outputs`` stays free of it).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from ._checks import describe
+from ._torch import is_tensor, tensor_dtype_name
+from .errors import FieldTypeError, UnsupportedValueError
+
+__all__ = ["PoolStats", "Staged", "StagingPool", "buffer_to_tensor", "tensor_to_buffer"]
+
+# Element types whose bits cross DLPack as another type: pyarrow and older numpy reject them.
+_BIT_VIEWS = {"bfloat16": "uint16", "bool": "uint8"}
+_ALIGN = 64  # every staged region starts on a cache line (and a 64-byte Arrow alignment)
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+def tensor_to_buffer(t: Any, field: str = "tensor") -> tuple[pa.Buffer, str]:
+    """A host tensor's memory as one Arrow buffer, and the tensor's dtype name.
+
+    Contiguous host tensors cross with no copy (the buffer's address is ``t.data_ptr()``, and
+    the buffer keeps the tensor alive). A non-contiguous tensor (a transposed or strided view)
+    is copied once into contiguous memory: an Arrow buffer is one span of bytes, so a strided
+    view cannot be wrapped without changing what it means. bfloat16 and bool cross as their bit
+    patterns (uint16, uint8); the returned dtype name says what they are.
+
+    Examples
+    --------
+    >>> import torch
+    >>> t = torch.arange(4, dtype=torch.bfloat16)
+    >>> buf, dtype = tensor_to_buffer(t)
+    >>> buf.address == t.data_ptr(), buf.size, dtype
+    (True, 8, 'bfloat16')
+    """
+    if not is_tensor(t):
+        raise FieldTypeError(field, "a torch tensor", describe(t))
+    if t.device.type != "cpu":
+        raise UnsupportedValueError(
+            field,
+            "a host tensor (stage device tensors with StagingPool)",
+            f"a tensor on {t.device}",
+        )
+    dtype = tensor_dtype_name(t)
+    torch = _torch()
+    if not t.is_contiguous():
+        t = t.contiguous()  # documented copy: Arrow buffers are one contiguous span
+    if t.requires_grad:
+        t = t.detach()
+    if dtype in _BIT_VIEWS:
+        t = t.view(getattr(torch, _BIT_VIEWS[dtype]))
+    arr = np.from_dlpack(t) if t.numel() else np.empty(0, dtype=np.uint8)
+    return pa.py_buffer(arr.reshape(-1).view(np.uint8)), dtype
+
+
+def buffer_to_tensor(
+    buf: pa.Buffer,
+    dtype: str,
+    shape: Sequence[int],
+    *,
+    device: Any = None,
+    non_blocking: bool = True,
+    offset: int = 0,
+) -> Any:
+    """A torch tensor over an Arrow buffer (no copy on the host), optionally moved to a device.
+
+    The host tensor shares the buffer's memory and keeps it alive; treat it as read-only when
+    the buffer came from a file or another process. With ``device`` the tensor is copied there,
+    asynchronously when the buffer is pinned memory (a :class:`StagingPool` slab).
+    """
+    torch = _torch()
+    if not isinstance(buf, pa.Buffer):
+        raise FieldTypeError("buf", "a pyarrow.Buffer", describe(buf))
+    base = _BIT_VIEWS.get(dtype, dtype)
+    try:
+        np_dtype = np.dtype(base)
+    except TypeError as e:
+        raise FieldTypeError("dtype", "a numpy or torch dtype name", repr(dtype)) from e
+    count = math.prod(shape)
+    if offset < 0 or offset + count * np_dtype.itemsize > buf.size:
+        raise UnsupportedValueError(
+            "buf", f"{count} {dtype} values from byte {offset}", f"a buffer of {buf.size} bytes"
+        )
+    arr = np.frombuffer(buf, dtype=np_dtype, count=count, offset=offset).reshape(tuple(shape))
+    from ._torch import numpy_to_tensor
+
+    t = numpy_to_tensor(arr, base)
+    if dtype in _BIT_VIEWS:
+        t = t.view(getattr(torch, dtype))
+    if device is not None:
+        t = t.to(device, non_blocking=non_blocking)
+    return t
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """Counters of a :class:`StagingPool` since it was made."""
+
+    slabs: int  # slabs the pool holds now
+    allocations: int  # slabs allocated (pinned allocations, with CUDA)
+    reuses: int  # stagings that took an existing slab
+    bytes_staged: int  # bytes copied into slabs
+    waits: int  # stagings that waited for a slab to come back
+
+
+class _Lease:
+    """Holds a slab out of the pool. Arrow buffers over the slab keep it alive as their base;
+    when the last one goes, a finalizer returns the slab (a lease never outlives its views)."""
+
+    __slots__ = ("__weakref__", "slab")
+
+    def __init__(self, slab: Any) -> None:
+        self.slab = slab
+
+
+class StagingPool:
+    """A bounded pool of reusable (pinned, with CUDA) host slabs for device-to-host copies.
+
+    Parameters
+    ----------
+    max_slabs
+        The most slabs held at once. A staging that finds every slab leased waits up to
+        ``timeout`` seconds for one to come back, then raises.
+    min_slab_bytes
+        Smallest slab allocated; a larger request gets a slab of its size rounded up to a power
+        of two, so a run's steps settle on reusable slabs after warm-up.
+    pin
+        Allocate pinned (page-locked) memory; the default is whether CUDA is available.
+    timeout
+        Seconds :meth:`stage` waits for a leased slab to come back.
+
+    Examples
+    --------
+    >>> import torch
+    >>> pool = StagingPool(max_slabs=2)
+    >>> staged = pool.stage([torch.arange(3), torch.ones(2, dtype=torch.bfloat16)])
+    >>> staged.wait()
+    >>> staged.tensor(0).tolist(), staged.tensor(1).dtype
+    ([0, 1, 2], torch.bfloat16)
+    >>> del staged
+    >>> pool.stats().slabs, pool.free_slabs()
+    (1, 1)
+    """
+
+    def __init__(
+        self,
+        *,
+        max_slabs: int = 8,
+        min_slab_bytes: int = 1 << 20,
+        pin: bool | None = None,
+        timeout: float = 30.0,
+    ) -> None:
+        if type(max_slabs) is not int or max_slabs < 1:
+            raise FieldTypeError("max_slabs", "an int >= 1", repr(max_slabs))
+        if type(min_slab_bytes) is not int or min_slab_bytes < _ALIGN:
+            raise FieldTypeError("min_slab_bytes", f"an int >= {_ALIGN}", repr(min_slab_bytes))
+        self.max_slabs = max_slabs
+        self.min_slab_bytes = min_slab_bytes
+        self.timeout = timeout
+        self._pin = pin
+        self._free: list[Any] = []  # slabs (uint8 host tensors) not leased
+        self._count = 0  # slabs held, leased or free
+        self._cond = threading.Condition()
+        self._allocations = self._reuses = self._bytes = self._waits = 0
+
+    def _pinned(self) -> bool:
+        if self._pin is None:
+            torch = _torch()
+            self._pin = bool(torch.cuda.is_available())
+        return self._pin
+
+    def stats(self) -> PoolStats:
+        with self._cond:
+            return PoolStats(self._count, self._allocations, self._reuses, self._bytes, self._waits)
+
+    def free_slabs(self) -> int:
+        """Slabs ready to be handed out now."""
+        with self._cond:
+            return len(self._free)
+
+    def _release(self, slab: Any) -> None:
+        with self._cond:
+            self._free.append(slab)
+            self._cond.notify()
+
+    def _acquire(self, nbytes: int) -> Any:
+        torch = _torch()
+        with self._cond:
+            waited = False
+            while True:
+                fitting = [s for s in self._free if s.numel() >= nbytes]
+                if fitting:
+                    slab = min(fitting, key=lambda s: s.numel())
+                    self._free.remove(slab)
+                    self._reuses += 1
+                    return slab
+                if self._count < self.max_slabs or self._free:
+                    if self._count >= self.max_slabs:
+                        # Every held slab is too small: replace the smallest free one.
+                        self._free.remove(min(self._free, key=lambda s: s.numel()))
+                        self._count -= 1
+                    size = max(self.min_slab_bytes, 1 << max(0, (nbytes - 1).bit_length()))
+                    self._count += 1
+                    self._allocations += 1
+                    break
+                if not waited:
+                    self._waits += 1
+                    waited = True
+                if not self._cond.wait(self.timeout):
+                    raise UnsupportedValueError(
+                        "StagingPool",
+                        f"a slab back within {self.timeout} s (max_slabs={self.max_slabs})",
+                        "every slab still viewed by a batch, buffer or tensor; release them, "
+                        "or make the pool larger",
+                    )
+        return torch.empty(size, dtype=torch.uint8, pin_memory=self._pinned())
+
+    def stage(self, tensors: Sequence[Any], *, stream: Any = None) -> Staged:
+        """Copy ``tensors`` (any device) into one slab, asynchronously where CUDA allows.
+
+        With CUDA the copies run on ``stream`` (a side stream; the current stream waits for
+        nothing) after it waits for the current stream's work, and an event records their end:
+        :meth:`Staged.wait` blocks on it. Views of the staged data are valid after ``wait()``.
+        """
+        torch = _torch()
+        items = list(tensors)
+        for i, t in enumerate(items):
+            if not is_tensor(t):
+                raise FieldTypeError(f"tensors[{i}]", "a torch tensor", describe(t))
+        offsets, total = [], 0
+        for t in items:
+            offsets.append(total)
+            total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+        slab = self._acquire(max(total, 1))
+        lease = _Lease(slab)
+        weakref.finalize(lease, self._release, slab)
+        on_device = any(t.device.type == "cuda" for t in items)
+        event = None
+        if on_device:
+            side = stream if stream is not None else torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for t, off in zip(items, offsets):
+                    _region(slab, off, t).copy_(t, non_blocking=True)
+                    # The source must outlive the copy: the caching allocator is told so.
+                    t.record_stream(side)
+                event = torch.cuda.Event()
+                event.record(side)
+        else:
+            for t, off in zip(items, offsets):
+                _region(slab, off, t).copy_(t)
+        with self._cond:
+            self._bytes += sum(t.numel() * t.element_size() for t in items)
+        specs = [(off, tensor_dtype_name(t), tuple(t.shape)) for t, off in zip(items, offsets)]
+        return Staged(lease, specs, event)
+
+
+def _region(slab: Any, offset: int, like: Any) -> Any:
+    """The slab's bytes at ``offset`` viewed as a tensor shaped and typed like ``like``."""
+    nbytes = like.numel() * like.element_size()
+    return slab[offset : offset + nbytes].view(like.dtype).view(like.shape)
+
+
+class Staged:
+    """Tensors copied into one leased slab; Arrow buffers and tensors over their regions.
+
+    Every buffer, array and tensor made here keeps the slab's lease alive, so a later staging
+    never overwrites data that is still viewed.
+    """
+
+    def __init__(self, lease: _Lease, specs: list[tuple[int, str, tuple[int, ...]]], event: Any):
+        self._lease = lease
+        self._specs = specs
+        self._event = event
+
+    def __len__(self) -> int:
+        return len(self._specs)
+
+    def wait(self) -> None:
+        """Block until the copies have landed (no-op for host-to-host staging)."""
+        if self._event is not None:
+            self._event.synchronize()
+
+    def buffer(self, i: int) -> pa.Buffer:
+        """An Arrow buffer over tensor ``i``'s bytes in the slab (bit patterns for bf16/bool)."""
+        off, dtype, shape = self._specs[i]
+        slab = self._lease.slab
+        nbytes = math.prod(shape) * _itemsize(dtype)
+        # foreign_buffer's base keeps the lease (and so the slab) alive while Arrow uses it.
+        return pa.foreign_buffer(slab.data_ptr() + off, nbytes, base=self._lease)
+
+    def numpy(self, i: int) -> np.ndarray:
+        """Tensor ``i`` as a numpy array over the slab (bfloat16 as its uint16 bits)."""
+        _, dtype, shape = self._specs[i]
+        return np.frombuffer(self.buffer(i), dtype=_BIT_VIEWS.get(dtype, dtype)).reshape(shape)
+
+    def tensor(self, i: int) -> Any:
+        """Tensor ``i`` as a host tensor over the slab, its dtype restored."""
+        _, dtype, shape = self._specs[i]
+        return buffer_to_tensor(self.buffer(i), dtype, shape)
+
+    def dtype(self, i: int) -> str:
+        return self._specs[i][1]
+
+    def shape(self, i: int) -> tuple[int, ...]:
+        return self._specs[i][2]
+
+
+_ITEMSIZE = {"bfloat16": 2, "bool": 1}
+
+
+def _itemsize(dtype: str) -> int:
+    return _ITEMSIZE.get(dtype) or np.dtype(dtype).itemsize

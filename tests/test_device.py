@@ -1,0 +1,173 @@
+"""DLPack crossing and the staging pool: zero-copy by address, lifetimes, recycling, bounds.
+
+Everything but the last tests runs without CUDA: the pool's recycling logic is the same over
+plain host memory. The ``cuda_device`` tests rerun the crossing on a GPU when one is present.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+
+import arrow_outputs as ao
+from arrow_outputs.device import StagingPool, buffer_to_tensor, tensor_to_buffer
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8]
+
+
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.bool], ids=str)
+def test_tensor_to_buffer_zero_copy_and_back(dtype: torch.dtype) -> None:
+    t = (torch.arange(12) % 3).to(dtype).reshape(3, 4)
+    buf, name = tensor_to_buffer(t)
+    assert buf.address == t.data_ptr()
+    assert buf.size == t.numel() * t.element_size()
+    assert name == str(dtype).removeprefix("torch.")
+    back = buffer_to_tensor(buf, name, (3, 4))
+    assert back.dtype == dtype
+    assert back.data_ptr() == t.data_ptr()
+    assert torch.equal(back, t)
+
+
+def test_tensor_to_buffer_non_contiguous_is_copied_right() -> None:
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4).T
+    buf, _ = tensor_to_buffer(t)
+    assert buf.address != t.data_ptr()
+    assert np.frombuffer(buf, np.float32).tolist() == t.contiguous().reshape(-1).tolist()
+
+
+def test_tensor_to_buffer_refuses_device_tensors_and_non_tensors() -> None:
+    with pytest.raises(ao.UnsupportedValueError, match="StagingPool"):
+        tensor_to_buffer(torch.zeros(2, device="meta"))
+    with pytest.raises(ao.FieldTypeError):
+        tensor_to_buffer(np.zeros(2))
+
+
+def test_buffer_to_tensor_checks_bounds() -> None:
+    buf = pa.py_buffer(np.zeros(4, np.float32))
+    with pytest.raises(ao.UnsupportedValueError):
+        buffer_to_tensor(buf, "float32", (5,))
+    with pytest.raises(ao.UnsupportedValueError):
+        buffer_to_tensor(buf, "float32", (4,), offset=4)
+
+
+def _step(i: int) -> list[torch.Tensor]:
+    return [torch.full((64,), i, dtype=torch.int64), torch.full((8, 3), float(i)).bfloat16()]
+
+
+def test_staging_pool_values_and_no_allocation_after_warm_up() -> None:
+    pool = StagingPool(max_slabs=2, min_slab_bytes=4096)
+    for i in range(50):
+        staged = pool.stage(_step(i))
+        staged.wait()
+        assert staged.tensor(0).tolist() == [i] * 64
+        assert staged.tensor(1).dtype == torch.bfloat16
+        assert staged.tensor(1).float().eq(i).all()
+        del staged
+    stats = pool.stats()
+    assert stats.allocations == 1
+    assert stats.reuses == 49
+    assert stats.bytes_staged == 50 * (64 * 8 + 24 * 2)
+    assert stats.waits == 0
+
+
+def _views(staged: Any) -> dict[str, Callable[[], Any]]:
+    return {
+        "buffer": lambda: staged.buffer(0),
+        "array": lambda: pa.Array.from_buffers(pa.int64(), 64, [None, staged.buffer(0)]),
+        "batch": lambda: pa.record_batch(
+            [pa.Array.from_buffers(pa.int64(), 64, [None, staged.buffer(0)])], names=["x"]
+        ),
+        "numpy": lambda: staged.numpy(0),
+        "tensor": lambda: staged.tensor(0),
+    }
+
+
+@pytest.mark.parametrize("kind", ["buffer", "array", "batch", "numpy", "tensor"])
+def test_staging_pool_never_overwrites_a_live_view(kind: str) -> None:
+    pool = StagingPool(max_slabs=3, min_slab_bytes=4096)
+    staged = pool.stage(_step(7))
+    view = _views(staged)[kind]()
+    address = staged.buffer(0).address
+    del staged
+    gc.collect()
+    assert pool.free_slabs() == 0  # the view holds the slab
+    later = pool.stage(_step(8))
+    assert later.buffer(0).address != address
+    values = {
+        "buffer": lambda v: np.frombuffer(v, np.int64),
+        "array": lambda v: v.to_numpy(),
+        "batch": lambda v: v.column(0).to_numpy(),
+        "numpy": lambda v: v,
+        "tensor": lambda v: v.numpy(),
+    }[kind](view)
+    assert (np.asarray(values) == 7).all()
+    del view, values, later
+    gc.collect()
+    assert pool.free_slabs() == 2
+    assert pool.stats().allocations == 2
+
+
+def test_staging_pool_bounded_waits_then_refuses() -> None:
+    pool = StagingPool(max_slabs=1, min_slab_bytes=4096, timeout=0.2)
+    held = pool.stage(_step(1))
+    with pytest.raises(ao.UnsupportedValueError, match="max_slabs=1"):
+        pool.stage(_step(2))
+    assert pool.stats().waits == 1
+    # A slab released by another thread unblocks a waiting staging.
+    pool.timeout = 10.0
+
+    def release() -> None:
+        time.sleep(0.2)
+        nonlocal held
+        del held
+
+    threading.Thread(target=release).start()
+    start = time.monotonic()
+    staged = pool.stage(_step(3))
+    assert time.monotonic() - start < 5
+    assert staged.tensor(0).tolist() == [3] * 64
+    assert pool.stats().allocations == 1
+
+
+def test_staging_pool_grows_a_slab_for_a_larger_step() -> None:
+    pool = StagingPool(max_slabs=1, min_slab_bytes=256)
+    small = pool.stage([torch.zeros(8)])
+    del small
+    big = pool.stage([torch.arange(10_000)])
+    assert big.tensor(0)[-1].item() == 9_999
+    stats = pool.stats()
+    assert stats.slabs == 1
+    assert stats.allocations == 2
+
+
+def test_staging_pool_arguments_are_checked() -> None:
+    with pytest.raises(ao.FieldTypeError):
+        StagingPool(max_slabs=0)
+    with pytest.raises(ao.FieldTypeError):
+        StagingPool().stage([np.zeros(2)])
+
+
+@pytest.mark.gpu
+def test_staging_pool_on_cuda(cuda_device: Any) -> None:
+    pool = StagingPool(max_slabs=2)
+    src = [torch.arange(1000, device=cuda_device), torch.ones(5, device=cuda_device).bfloat16()]
+    staged = pool.stage(src)
+    staged.wait()
+    assert staged.tensor(0).tolist() == list(range(1000))
+    assert staged._lease.slab.is_pinned()
+    assert staged.tensor(1).dtype == torch.bfloat16
+    back = buffer_to_tensor(staged.buffer(0), "int64", (1000,), device=cuda_device)
+    assert torch.equal(back, src[0])
+    del staged, back
+    gc.collect()
+    for _ in range(5):
+        pool.stage(src).wait()
+    assert pool.stats().allocations == 1
