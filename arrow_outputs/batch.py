@@ -776,6 +776,22 @@ def to_record_batch(
     >>> from_record_batch(batch) == out
     True
     """
+    return encode_step(output, step=step, metadata=metadata, schema=schema, opaque=opaque)
+
+
+def encode_step(
+    output: Any,
+    *,
+    step: int | None = None,
+    metadata: dict[str, Any] | None = None,
+    schema: pa.Schema | None = None,
+    opaque: str = "drop",
+    prebuilt: dict[str, tuple[pa.Array, Any]] | None = None,
+) -> pa.RecordBatch:
+    """:func:`to_record_batch`, with some columns already built (``prebuilt``: column name to
+    (array, step JSON layout)), as a producer that holds the data in another form builds them
+    (``AsyncArrowOutput`` from staged device tensors). The arrays must be what the column's
+    encoder would make of ``output``'s field."""
     if opaque not in ("drop", "error"):
         raise FieldTypeError("opaque", "'drop' or 'error'", repr(opaque))
     for name in ("req_ids", "req_id_to_index"):
@@ -800,8 +816,11 @@ def to_record_batch(
     meta: dict[str, Any] = {"step": step, "rows": n}
     step_col, identity = _step_column(n, step)
     arrays = [step_col, _req_id_array(req_ids), _req_index(n)]
-    for codec in _CODECS.values():
-        arr, meta[codec.meta_key] = codec.encode(ctx)
+    for name, codec in _CODECS.items():
+        if prebuilt and name in prebuilt:
+            arr, meta[codec.meta_key] = prebuilt[name]
+        else:
+            arr, meta[codec.meta_key] = codec.encode(ctx)
         arrays.append(arr)
     dropped: Dropped = []
     for key in _STEP_CLASSES:

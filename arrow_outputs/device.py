@@ -241,12 +241,15 @@ class StagingPool:
                     )
         return torch.empty(size, dtype=torch.uint8, pin_memory=self._pinned())
 
-    def stage(self, tensors: Sequence[Any], *, stream: Any = None) -> Staged:
+    def stage(
+        self, tensors: Sequence[Any], *, stream: Any = None, main_stream: Any = None
+    ) -> Staged:
         """Copy ``tensors`` (any device) into one slab, asynchronously where CUDA allows.
 
-        With CUDA the copies run on ``stream`` (a side stream; the current stream waits for
-        nothing) after it waits for the current stream's work, and an event records their end:
-        :meth:`Staged.wait` blocks on it. Views of the staged data are valid after ``wait()``.
+        With CUDA the copies run on ``stream`` (a side stream; ``main_stream``, by default the
+        current stream, waits for nothing) after it waits for ``main_stream``'s work, and an
+        event records their end: :meth:`Staged.wait` blocks on it. Views of the staged data
+        are valid after ``wait()``.
         """
         torch = _torch()
         items = list(tensors)
@@ -264,7 +267,8 @@ class StagingPool:
         event = None
         if on_device:
             side = stream if stream is not None else torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
+            main = main_stream if main_stream is not None else torch.cuda.current_stream()
+            side.wait_stream(main)
             with torch.cuda.stream(side):
                 for t, off in zip(items, offsets):
                     _region(slab, off, t).copy_(t, non_blocking=True)

@@ -1,0 +1,185 @@
+"""AsyncArrowOutput against vLLM 0.33's AsyncOutput: the same output, and a record batch built
+straight from the staged buffers that equals the output's record batch."""
+
+from __future__ import annotations
+
+import copy
+import gc
+from typing import Any, NamedTuple
+
+import pytest
+import torch
+
+import arrow_outputs as ao
+from arrow_outputs.async_output import AsyncArrowOutput
+from arrow_outputs.device import StagingPool
+
+
+class SamplerOutput(NamedTuple):
+    """MRv2's SamplerOutput (vllm/v1/worker/gpu/sample/output.py), its attribute names."""
+
+    sampled_token_ids: torch.Tensor
+    logprobs_tensors: Any
+    num_nans: torch.Tensor | None
+    num_sampled: torch.Tensor
+    num_rejected: torch.Tensor
+    sampling_mask_tensors: Any = None
+
+
+def vllm_get_output(mro: Any, sampler: SamplerOutput, num_sampled: torch.Tensor) -> Any:
+    """The host side of vLLM 0.33's AsyncOutput.get_output (vllm/v1/worker/gpu/async_utils.py),
+    on CPU tensors: sampled ids to lists trimmed to their counts, NaN counts by request,
+    logprobs tolists, prompt dicts as copied."""
+    out = copy.copy(mro)
+    sampled = sampler.sampled_token_ids.numpy().tolist()
+    for ids, k in zip(sampled, num_sampled.numpy().tolist()):
+        del ids[k:]
+    out.sampled_token_ids = sampled
+    if sampler.num_nans is not None:
+        out.num_nans_in_logits = dict(zip(out.req_ids, sampler.num_nans.numpy().tolist()))
+    if sampler.logprobs_tensors is not None:
+        out.logprobs = sampler.logprobs_tensors.tolists()
+    out.prompt_logprobs_dict = {
+        k: None if v is None else v.to_cpu_nonblocking()
+        for k, v in mro.prompt_logprobs_dict.items()
+    }
+    return out
+
+
+def _step(n: int, k: int, *, seed: int = 0, nans: int | None = None, cu_tensor: bool = False):
+    g = torch.Generator().manual_seed(seed)
+    req_ids = [f"r{i}" for i in range(n)]
+    counts = torch.randint(0 if k > 1 else 1, k + 1, (n,), generator=g, dtype=torch.int32)
+    sampled = torch.randint(0, 50_000, (n, k), generator=g, dtype=torch.int64)
+    sampled[torch.arange(k) >= counts[:, None].long()] = -1  # padding vLLM never reads
+    positions = int(counts.sum()) if k > 1 else n
+    cu = [0, *torch.cumsum(counts, 0).tolist()] if k > 1 else None
+    lp = ao.LogprobsTensors(
+        torch.randint(0, 50_000, (positions, 6), generator=g),
+        torch.randn(positions, 6, generator=g),
+        torch.randint(1, 9, (positions,), generator=g),
+        None if cu_tensor else cu,
+        torch.tensor(cu) if cu_tensor and cu is not None else None,
+    )
+    num_nans = None if nans is None else torch.zeros(nans, dtype=torch.int32) + 2
+    sampler = SamplerOutput(sampled, lp, num_nans, counts, torch.zeros(n, dtype=torch.int32))
+    prompt = (
+        {
+            "r0": ao.LogprobsTensors(
+                torch.zeros(3, 2, dtype=torch.int64),
+                torch.zeros(3, 2),
+                torch.ones(3, dtype=torch.int64),
+            )
+        }
+        if n
+        else {}
+    )
+    mro = ao.ModelRunnerOutput(
+        req_ids,
+        {r: i for i, r in enumerate(req_ids)},
+        prompt_logprobs_dict=prompt,
+        kv_connector_output=ao.KVConnectorOutput(finished_sending={"x"}),
+        cudagraph_stats=ao.CUDAGraphStat(n, n + 1, 1, "FULL"),
+    )
+    return mro, sampler, counts
+
+
+CASES = [
+    pytest.param(dict(n=4, k=1), id="decode"),
+    pytest.param(dict(n=5, k=4), id="spec"),
+    pytest.param(dict(n=5, k=4, cu_tensor=True), id="spec-cu-tensor"),
+    pytest.param(dict(n=6, k=1, nans=6), id="nans"),
+    pytest.param(dict(n=6, k=1, nans=4), id="nans-shorter"),
+    pytest.param(dict(n=0, k=1), id="empty"),
+]
+
+
+@pytest.mark.parametrize("kw", CASES)
+def test_async_arrow_output_get_output_is_vllms(kw: dict[str, Any]) -> None:
+    mro, sampler, counts = _step(**kw)
+    expected = vllm_get_output(copy.copy(mro), sampler, counts)
+    got = AsyncArrowOutput(mro, sampler, counts, pool=StagingPool(max_slabs=2)).get_output()
+    ao.assert_outputs_equal(got, expected)
+
+
+@pytest.mark.parametrize("kw", CASES)
+def test_async_arrow_output_record_batch_equals_the_outputs(kw: dict[str, Any]) -> None:
+    mro, sampler, counts = _step(**kw)
+    expected = ao.to_record_batch(vllm_get_output(copy.copy(mro), sampler, counts), step=9)
+    batch = AsyncArrowOutput(mro, sampler, counts, pool=StagingPool()).get_record_batch(step=9)
+    assert batch.schema.equals(expected.schema, check_metadata=True)
+    assert batch.equals(expected)
+    ao.assert_outputs_equal(ao.from_record_batch(batch), ao.from_record_batch(expected))
+
+
+def test_async_arrow_output_logprobs_point_into_the_slab() -> None:
+    mro, sampler, counts = _step(8, 1)
+    pool = StagingPool(max_slabs=2)
+    out = AsyncArrowOutput(mro, sampler, counts, pool=pool)
+    batch = out.get_record_batch()
+    slab = out._staged._lease.slab
+    lo, hi = slab.data_ptr(), slab.data_ptr() + slab.numel()
+    token_ids = batch.column("logprobs").values.field("token_ids").values.buffers()[1]
+    assert lo <= token_ids.address < hi
+    del out
+    gc.collect()
+    assert pool.free_slabs() == 0  # the batch still views the slab
+    del batch, token_ids
+    gc.collect()
+    assert pool.free_slabs() == 1
+
+
+def test_async_arrow_output_with_a_declared_int32_schema() -> None:
+    mro, sampler, counts = _step(3, 2)
+    types = ao.ColumnTypes(sampled_token_ids="int32", prompt_logprob_token_ids="int64")
+    schema = ao.output_schema(types)
+    expected = ao.to_record_batch(vllm_get_output(copy.copy(mro), sampler, counts), schema=schema)
+    batch = AsyncArrowOutput(mro, sampler, counts).get_record_batch(schema=schema)
+    assert batch.equals(expected)
+
+
+def test_async_arrow_output_kv_connector_output_even_when_conversion_fails() -> None:
+    mro, sampler, counts = _step(3, 1)
+    out = AsyncArrowOutput(mro, sampler, counts)
+    mro.req_ids.append("extra")  # the output no longer matches the sampled rows
+    with pytest.raises(ao.ArrowOutputsError):
+        out.get_record_batch()
+    assert out.get_kv_connector_output().finished_sending == {"x"}
+
+
+def test_async_arrow_output_checks_its_tensors() -> None:
+    mro, sampler, _ = _step(3, 1)
+    with pytest.raises(ao.ShapeError, match="num_sampled_tokens"):
+        AsyncArrowOutput(mro, sampler, torch.ones(2, dtype=torch.int32))
+
+
+def test_async_arrow_output_no_slab_allocation_after_warm_up() -> None:
+    pool = StagingPool(max_slabs=2)
+    for seed in range(20):
+        mro, sampler, counts = _step(16, 2, seed=seed)
+        AsyncArrowOutput(mro, sampler, counts, pool=pool).get_record_batch()
+    assert pool.stats().allocations == 1
+    assert pool.stats().reuses == 19
+
+
+@pytest.mark.gpu
+def test_async_arrow_output_on_cuda(cuda_device: Any) -> None:
+    mro, sampler, counts = _step(8, 3)
+    expected = ao.to_record_batch(vllm_get_output(copy.copy(mro), sampler, counts))
+    on_gpu = SamplerOutput(
+        sampler.sampled_token_ids.to(cuda_device),
+        ao.LogprobsTensors(
+            *(
+                t.to(cuda_device) if isinstance(t, torch.Tensor) else t
+                for t in sampler.logprobs_tensors
+            )
+        ),
+        None,
+        sampler.num_sampled.to(cuda_device),
+        sampler.num_rejected.to(cuda_device),
+    )
+    out = AsyncArrowOutput(
+        mro, on_gpu, counts.to(cuda_device), copy_stream=torch.cuda.Stream(cuda_device)
+    )
+    batch = out.get_record_batch()
+    assert batch.equals(expected)
