@@ -282,3 +282,75 @@ def _ids_as(values: np.ndarray, arrow_type: pa.DataType) -> np.ndarray:
             f"values from {values.min()} to {values.max()}",
         )
     return values.astype(target)
+
+
+class AsyncArrowPoolingOutput(AsyncModelRunnerOutput):
+    """vLLM 0.33's ``AsyncPoolingOutput``, staged through a :class:`StagingPool`.
+
+    A pooler tensor whose requests all finished is copied whole (its rows come back as views
+    of one tensor, so the record batch's tensor column is that memory, no per-row copy); else
+    each finished request's row is copied and unfinished ones are None, as in vLLM.
+    """
+
+    def __init__(
+        self,
+        model_runner_output: Any,
+        pooler_output: Any,
+        finished_mask: list[bool],
+        *,
+        main_stream: Any = None,
+        copy_stream: Any = None,
+        pool: StagingPool | None = None,
+    ) -> None:
+        import torch
+
+        self.model_runner_output = model_runner_output
+        self.pooler_output = pooler_output
+        count = pooler_output.shape[0] if isinstance(pooler_output, torch.Tensor) else None
+        if count is None and not isinstance(pooler_output, list):
+            raise FieldTypeError(
+                "pooler_output", "a tensor or a list", type(pooler_output).__name__
+            )
+        if len(finished_mask) != (len(pooler_output) if count is None else count):
+            raise ShapeError(
+                "finished_mask", "one flag per pooler output row", str(len(finished_mask))
+            )
+        self._whole = count is not None and all(finished_mask)
+        if self._whole:
+            rows = [pooler_output]
+            self._where: list[int | None] = [0]
+        else:
+            outputs = (
+                pooler_output.unbind() if isinstance(pooler_output, torch.Tensor) else pooler_output
+            )
+            rows, self._where = [], []
+            for output, finished in zip(outputs, finished_mask):
+                if output is None or not finished:
+                    self._where.append(None)
+                else:
+                    self._where.append(len(rows))
+                    rows.append(output)
+        self._staged = (pool or default_pool()).stage(
+            rows, stream=copy_stream, main_stream=main_stream
+        )
+
+    def get_output(self) -> Any:
+        self._staged.wait()
+        if self._whole:
+            pooler = list(self._staged.tensor(0).unbind(dim=0))
+        else:
+            pooler = [None if i is None else self._staged.tensor(i) for i in self._where]
+        self.model_runner_output.pooler_output = pooler
+        return self.model_runner_output
+
+    def get_record_batch(
+        self, *, step: int | None = None, schema: pa.Schema | None = None
+    ) -> pa.RecordBatch:
+        """The step's record batch; the pooler column is the staged slab's memory when the
+        rows are consecutive there (always for a whole tensor)."""
+        from .batch import to_record_batch
+
+        return to_record_batch(self.get_output(), step=step, schema=schema)
+
+    def get_kv_connector_output(self) -> KVConnectorOutput | None:
+        return self.model_runner_output.kv_connector_output

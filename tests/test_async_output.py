@@ -7,6 +7,7 @@ import copy
 import gc
 from typing import Any, NamedTuple
 
+import pyarrow as pa
 import pytest
 import torch
 
@@ -183,3 +184,39 @@ def test_async_arrow_output_on_cuda(cuda_device: Any) -> None:
     )
     batch = out.get_record_batch()
     assert batch.equals(expected)
+
+
+def _pooling_mro(n: int) -> ao.ModelRunnerOutput:
+    req_ids = [f"p{i}" for i in range(n)]
+    return ao.ModelRunnerOutput(req_ids, {r: i for i, r in enumerate(req_ids)})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_async_pooling_output_whole_tensor_is_one_zero_copy_column(dtype: torch.dtype) -> None:
+    from arrow_outputs.async_output import AsyncArrowPoolingOutput
+
+    pooled = torch.randn(4, 16).to(dtype)
+    pool = StagingPool()
+    out = AsyncArrowPoolingOutput(_pooling_mro(4), pooled, [True] * 4, pool=pool)
+    batch = out.get_record_batch(step=1)
+    rows = out.model_runner_output.pooler_output
+    assert all(torch.equal(r, p) for r, p in zip(rows, pooled))
+    slab = out._staged._lease.slab
+    column = batch.column("pooler_output")
+    storage = column.storage if isinstance(column, pa.ExtensionArray) else column.field(0)
+    assert storage.values.buffers()[1].address == slab.data_ptr()
+
+
+def test_async_pooling_output_unfinished_rows_are_none() -> None:
+    from arrow_outputs.async_output import AsyncArrowPoolingOutput
+
+    pooled = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    out = AsyncArrowPoolingOutput(_pooling_mro(3), pooled, [True, False, True])
+    got = out.get_output().pooler_output
+    assert got[1] is None
+    assert torch.equal(got[0], pooled[0])
+    assert torch.equal(got[2], pooled[2])
+    back = ao.from_record_batch(out.get_record_batch())
+    assert back.pooler_output[1] is None
+    with pytest.raises(ao.ShapeError, match="finished_mask"):
+        AsyncArrowPoolingOutput(_pooling_mro(3), pooled, [True])
