@@ -14,6 +14,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from .async_output import AsyncArrowOutput, AsyncArrowPoolingOutput
 from .batch import (
     from_record_batch,
     run_schema,
@@ -22,6 +23,7 @@ from .batch import (
     to_record_batch,
 )
 from .compare import assert_outputs_equal, first_difference, outputs_equal
+from .device import PoolStats, Staged, StagingPool, buffer_to_tensor, tensor_to_buffer
 from .errors import (
     ArrowOutputsError,
     ConsistencyError,
@@ -36,6 +38,7 @@ from .errors import (
     UnsupportedValueError,
 )
 from .logprobs import logprobs_from_arrow, logprobs_to_arrow
+from .mask_tensors import MAX_COMPACT_SUPPORT, SamplingMaskTensors, mask_tensors_to_arrow
 from .masks import sampling_masks_from_arrow, sampling_masks_to_arrow
 from .outputs import (
     EMPTY_MODEL_RUNNER_OUTPUT,
@@ -65,10 +68,9 @@ from .schema import (
 from .tensors import TensorSpec
 
 __all__ = [
-    "EMPTY_MODEL_RUNNER_OUTPUT",
-    "FORMAT_NAME",
-    "FORMAT_VERSION",
     "ArrowOutputsError",
+    "AsyncArrowOutput",
+    "AsyncArrowPoolingOutput",
     "AsyncModelRunnerOutput",
     "AuxRequestOutput",
     "CUDAGraphStat",
@@ -77,24 +79,33 @@ __all__ = [
     "DTypeError",
     "DraftTokenIds",
     "ECConnectorOutput",
+    "EMPTY_MODEL_RUNNER_OUTPUT",
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
     "FieldTypeError",
     "FormatVersionError",
     "KVConnectorOutput",
     "LogprobsLists",
     "LogprobsTensors",
+    "MAX_COMPACT_SUPPORT",
     "ModelRunnerOutput",
     "OffsetsError",
     "OpaqueValueWarning",
+    "PoolStats",
     "Record",
     "SamplerOutput",
     "SamplingMaskLists",
+    "SamplingMaskTensors",
     "SchemaMismatchError",
     "ShapeError",
+    "Staged",
+    "StagingPool",
     "StepMetadataError",
     "TensorSpec",
     "UnsupportedValueError",
     "__version__",
     "assert_outputs_equal",
+    "buffer_to_tensor",
     "column_types",
     "first_difference",
     "from_record_batch",
@@ -102,6 +113,7 @@ __all__ = [
     "logprobs_from_arrow",
     "logprobs_to_arrow",
     "make_empty_encoder_model_runner_output",
+    "mask_tensors_to_arrow",
     "output_schema",
     "outputs_equal",
     "run_metadata",
@@ -110,5 +122,6 @@ __all__ = [
     "sampling_masks_to_arrow",
     "step_custom_metadata",
     "step_metadata",
+    "tensor_to_buffer",
     "to_record_batch",
 ]

@@ -220,3 +220,31 @@ def test_async_pooling_output_unfinished_rows_are_none() -> None:
     assert back.pooler_output[1] is None
     with pytest.raises(ao.ShapeError, match="finished_mask"):
         AsyncArrowPoolingOutput(_pooling_mro(3), pooled, [True])
+
+
+def _masked_step(n: int, k: int, *, seed: int = 0, width: int = 8, vocab: int = 100):
+    """A step whose sampler also produced sampling masks (some rows wider than the width)."""
+    mro, sampler, counts = _step(n, k, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    num_logits = counts.clone() if k > 1 else torch.ones(n, dtype=torch.int32)
+    cu = torch.zeros(n + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(num_logits, 0)
+    logits = torch.randn(int(cu[-1]), vocab, generator=g)
+    keep = torch.rand(logits.shape, generator=g) < torch.rand(len(logits), 1, generator=g) * 0.3
+    logits[~keep] = float("-inf")
+    masks = ao.SamplingMaskTensors.from_logits(logits, cu, counts, width, rows_per_request=k)
+    return mro, sampler._replace(sampling_mask_tensors=masks), counts
+
+
+@pytest.mark.parametrize(("n", "k"), [(6, 1), (5, 3)], ids=["decode", "spec"])
+def test_async_arrow_output_sampling_masks(n: int, k: int) -> None:
+    mro, sampler, counts = _masked_step(n, k)
+    assert int(sampler.sampling_mask_tensors.counts.max()) > 8  # some rows need the bitmask
+    expected = copy.copy(mro)
+    expected = vllm_get_output(expected, sampler, counts)
+    expected.sampling_masks = sampler.sampling_mask_tensors.tolists(counts.numpy())
+    got = AsyncArrowOutput(mro, sampler, counts).get_output()
+    ao.assert_outputs_equal(got, expected)
+    mro2, sampler2, counts2 = _masked_step(n, k)
+    batch = AsyncArrowOutput(mro2, sampler2, counts2).get_record_batch(step=2)
+    assert batch.equals(ao.to_record_batch(expected, step=2))
