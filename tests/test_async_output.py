@@ -248,3 +248,16 @@ def test_async_arrow_output_sampling_masks(n: int, k: int) -> None:
     mro2, sampler2, counts2 = _masked_step(n, k)
     batch = AsyncArrowOutput(mro2, sampler2, counts2).get_record_batch(step=2)
     assert batch.equals(ao.to_record_batch(expected, step=2))
+
+
+def test_async_arrow_output_chunked_prefill_requests_sample_nothing() -> None:
+    mro, sampler, counts = _step(5, 1, nans=5)
+    counts = torch.tensor([1, 0, 1, 0, 1], dtype=torch.int32)  # 1 and 3 are mid-prefill
+    sampler = sampler._replace(logprobs_tensors=None, num_sampled=counts)
+    expected = vllm_get_output(copy.copy(mro), sampler, counts)
+    assert expected.sampled_token_ids[1] == []
+    ao.assert_outputs_equal(
+        AsyncArrowOutput(copy.copy(mro), sampler, counts).get_output(), expected
+    )
+    batch = AsyncArrowOutput(mro, sampler, counts).get_record_batch(step=4)
+    assert batch.equals(ao.to_record_batch(expected, step=4))
