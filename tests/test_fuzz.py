@@ -86,15 +86,20 @@ from test_batch import (
     _aux,
     _aux_uint8,
     _aux_uint16,
+    _empty_containers,
     _empty_with_ec_and_stats,
     _encoder_only,
     _index,
+    _lists,
     _logprobs_zero_rows_with_requests,
     _masks_csr_cu_none,
     _masks_offsets_none_with_cu,
+    _masks_single_position,
     _num_nans,
+    _prompt_logprobs,
     _prompt_logprobs_int32,
     _rng,
+    _speculative,
     _tensors,
 )
 
@@ -106,7 +111,6 @@ from arrow_outputs import (
     CUDAGraphStat,
     ECConnectorOutput,
     KVConnectorOutput,
-    LogprobsLists,
     ModelRunnerOutput,
     SamplingMaskLists,
 )
@@ -137,27 +141,6 @@ def _memory_bound(input_bytes: int) -> int:
 # imported: that module's private helpers change with it).
 
 
-def _lists(
-    num_pos: int,
-    width: int,
-    cu: list[int] | None = None,
-    *,
-    ids: type = np.int64,
-    ranks: type = np.int64,
-    seed: int = 0,
-) -> LogprobsLists:
-    rng = _rng(seed)
-    lps = -rng.exponential(size=(num_pos, width)).astype(np.float32)
-    if num_pos:
-        lps[0, -1] = -np.inf
-    return LogprobsLists(
-        rng.integers(0, 150_000, size=(num_pos, width)).astype(ids),
-        lps,
-        rng.integers(1, 1000, size=num_pos).astype(ranks),
-        cu,
-    )
-
-
 def _masks(lengths: list[int], cu: list[int] | None = None, *, seed: int = 0) -> SamplingMaskLists:
     rng = _rng(seed)
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
@@ -186,20 +169,6 @@ def _decode_int32_ranks() -> ModelRunnerOutput:
     req_ids = ["a", "b"]
     lp = _lists(2, 3, ids=np.int32, ranks=np.int32)
     return ModelRunnerOutput(req_ids, _index(req_ids), [[1], [2]], logprobs=lp)
-
-
-def _speculative() -> ModelRunnerOutput:
-    req_ids = ["s0", "s1", "s2", "s3"]
-    lp = _lists(9, 5, [0, 4, 6, 6, 9], seed=1)
-    lp.logprob_token_ids[3] = 0
-    return ModelRunnerOutput(
-        req_ids,
-        _index(req_ids),
-        [[11, 12, 13], [21], [], [41, 42]],
-        logprobs=lp,
-        sampling_masks=_masks([3, 0, 2, 4, 1, 5], [0, 3, 4, 4, 6]),
-        num_nans_in_logits={"s0": 0, "s3": 2},
-    )
 
 
 def _pooling() -> ModelRunnerOutput:
@@ -244,16 +213,6 @@ def _empty_with_kv() -> ModelRunnerOutput:
     )
 
 
-def _prompt_logprobs() -> ModelRunnerOutput:
-    req_ids = ["a", "b", "c", "d"]
-    return ModelRunnerOutput(
-        req_ids,
-        _index(req_ids),
-        [[1], [2], [3], [4]],
-        prompt_logprobs_dict={"b": None, "c": _tensors(0, 21), "d": _tensors(6, 21, seed=3)},
-    )
-
-
 def _prompt_token_id_logprobs() -> ModelRunnerOutput:
     req_ids = ["a", "b", "c"]
     padded = torch.tensor([[-0.5, -1.5, -float("inf")], [-0.25, -float("inf"), -float("inf")]])
@@ -262,13 +221,6 @@ def _prompt_token_id_logprobs() -> ModelRunnerOutput:
         _index(req_ids),
         [[1], [2], [3]],
         prompt_token_id_logprobs_dict={"c": padded, "a": -torch.rand(2, 2)},
-    )
-
-
-def _masks_single_position() -> ModelRunnerOutput:
-    m = _masks([4])
-    return ModelRunnerOutput(
-        ["a"], {"a": 0}, [[9]], sampling_masks=SamplingMaskLists(m.token_ids, None, None)
     )
 
 
@@ -282,21 +234,6 @@ def _logprobs_tensors_cu_tensor() -> ModelRunnerOutput:
         cu_num_generated_tokens_tensor=torch.tensor([0, 2, 3], dtype=torch.int32)
     )
     return ModelRunnerOutput(req_ids, _index(req_ids), [[1, 2], [3]], logprobs=lp)
-
-
-def _empty_containers() -> ModelRunnerOutput:
-    return ModelRunnerOutput(
-        [],
-        {},
-        [],
-        logprobs=_lists(0, 3, [0]),
-        pooler_output=[],
-        num_nans_in_logits={},
-        aux_output_connector_output={},
-        sampling_masks=SamplingMaskLists(np.empty(0, np.int32), np.zeros(1, np.int64), [0]),
-        kv_connector_output=KVConnectorOutput(finished_sending=set(), finished_recving=None),
-        ec_connector_output=ECConnectorOutput(finished_sending=set()),
-    )
 
 
 def _everything() -> ModelRunnerOutput:
