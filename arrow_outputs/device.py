@@ -214,16 +214,17 @@ class StagingPool:
         with self._cond:
             waited = False
             while True:
-                fitting = [s for s in self._free if s.numel() >= nbytes]
+                # By position, never list.remove: it would compare tensors with ==.
+                sizes = [s.numel() for s in self._free]
+                fitting = [i for i, size in enumerate(sizes) if size >= nbytes]
                 if fitting:
-                    slab = min(fitting, key=lambda s: s.numel())
-                    self._free.remove(slab)
+                    slab = self._free.pop(min(fitting, key=sizes.__getitem__))
                     self._reuses += 1
                     return slab
                 if self._count < self.max_slabs or self._free:
                     if self._count >= self.max_slabs:
                         # Every held slab is too small: replace the smallest free one.
-                        self._free.remove(min(self._free, key=lambda s: s.numel()))
+                        self._free.pop(sizes.index(min(sizes)))
                         self._count -= 1
                     size = max(self.min_slab_bytes, 1 << max(0, (nbytes - 1).bit_length()))
                     self._count += 1

@@ -171,3 +171,17 @@ def test_staging_pool_on_cuda(cuda_device: Any) -> None:
     for _ in range(5):
         pool.stage(src).wait()
     assert pool.stats().allocations == 1
+
+
+def test_staging_pool_picks_among_free_slabs_of_different_sizes() -> None:
+    # Regression: list.remove compared slabs (tensors) with == and raised on other sizes.
+    pool = StagingPool(max_slabs=3, min_slab_bytes=256)
+    small, big = pool.stage([torch.zeros(8)]), pool.stage([torch.zeros(100_000)])
+    del small, big
+    gc.collect()
+    assert pool.free_slabs() == 2
+    again = pool.stage([torch.arange(50_000)])  # fits only the big one, listed second
+    assert again.tensor(0)[-1].item() == 49_999
+    tiny = pool.stage([torch.ones(4)])  # the small one
+    assert tiny.tensor(0).tolist() == [1.0] * 4
+    assert pool.stats().allocations == 2
