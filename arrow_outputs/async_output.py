@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from ._torch import tensor_to_numpy
 from .device import Staged, StagingPool
 from .errors import FieldTypeError, ShapeError
 from .outputs import AsyncModelRunnerOutput, KVConnectorOutput, LogprobsLists
@@ -67,6 +68,10 @@ class AsyncArrowOutput(AsyncModelRunnerOutput):
         CUDA streams (optional): the copies run on ``copy_stream`` after ``main_stream``'s work.
     pool
         The :class:`~arrow_outputs.device.StagingPool` to stage into (a shared one by default).
+    copy_host
+        Stage host (CPU) tensors too. By default they are used where they are, as vLLM's
+        ``to_cpu_nonblocking()`` leaves them (the batch then views them); the sampled ids,
+        their counts and the NaN counts are always copied, as vLLM copies them.
     """
 
     def __init__(
@@ -78,6 +83,7 @@ class AsyncArrowOutput(AsyncModelRunnerOutput):
         main_stream: Any = None,
         copy_stream: Any = None,
         pool: StagingPool | None = None,
+        copy_host: bool = False,
     ) -> None:
         self.model_runner_output = model_runner_output
         self.sampler_output = sampler_output
@@ -92,14 +98,20 @@ class AsyncArrowOutput(AsyncModelRunnerOutput):
             )
         tensors = [sampled, counts]
         self._slots: dict[str, int] = {"sampled": 0, "counts": 1}
+        # Host tensors used where they are, as vLLM's to_cpu_nonblocking() leaves them.
+        self._in_place: dict[str, Any] = {}
 
-        def add(name: str, t: Any) -> None:
+        def add(name: str, t: Any, *, always: bool = False) -> None:
+            if t.device.type == "cpu" and not (always or copy_host):
+                self._in_place[name] = t
+                return
             self._slots[name] = len(tensors)
             tensors.append(t)
 
         num_nans = getattr(sampler_output, "num_nans", None)
         if num_nans is not None:
-            add("num_nans", _tensor(num_nans, "sampler_output.num_nans"))
+            # vLLM copies these (copy=True) whatever their device: the runner reuses them.
+            add("num_nans", _tensor(num_nans, "sampler_output.num_nans"), always=True)
         lp = getattr(sampler_output, "logprobs_tensors", None)
         self._lp_cu = None
         if lp is not None:
@@ -131,14 +143,24 @@ class AsyncArrowOutput(AsyncModelRunnerOutput):
 
     # ------------------------------------------------------------------ staged views
 
+    def _has(self, name: str) -> bool:
+        return name in self._slots or name in self._in_place
+
     def _numpy(self, name: str) -> np.ndarray:
+        if name in self._in_place:
+            return tensor_to_numpy(self._in_place[name], name)
         return self._staged.numpy(self._slots[name])
 
+    def _host_tensor(self, name: str) -> Any:
+        if name in self._in_place:
+            return self._in_place[name]
+        return self._staged.tensor(self._slots[name])
+
     def _host_logprobs(self) -> LogprobsLists | None:
-        if "lp_ids" not in self._slots:
+        if not self._has("lp_ids"):
             return None
         cu = self._lp_cu
-        if "lp_cu" in self._slots:
+        if self._has("lp_cu"):
             cu = self._numpy("lp_cu").tolist()
         return LogprobsLists(
             self._numpy("lp_ids"), self._numpy("lp_values"), self._numpy("lp_ranks"), cu
@@ -151,9 +173,9 @@ class AsyncArrowOutput(AsyncModelRunnerOutput):
         if m is None:
             return None
         return SamplingMaskTensors(
-            self._staged.tensor(self._slots["mask_ids"]),
-            self._staged.tensor(self._slots["mask_bits"]),
-            self._staged.tensor(self._slots["mask_counts"]),
+            self._host_tensor("mask_ids"),
+            self._host_tensor("mask_bits"),
+            self._host_tensor("mask_counts"),
             m.vocab_size,
             getattr(m, "rows_per_request", 1),
         )
@@ -177,7 +199,7 @@ class AsyncArrowOutput(AsyncModelRunnerOutput):
         out.sampled_token_ids = sampled
         if self._masks is not None:
             out.sampling_masks = self._host_masks().tolists(self._numpy("counts"))
-        if "num_nans" in self._slots:
+        if self._has("num_nans"):
             out.num_nans_in_logits = dict(zip(out.req_ids, self._numpy("num_nans").tolist()))
         lp = self._host_logprobs()
         if lp is not None:
@@ -232,7 +254,7 @@ class AsyncArrowOutput(AsyncModelRunnerOutput):
                 arr,
                 {"offsets": True, "cu": getattr(masks, "rows_per_request", 1) > 1},
             )
-        if "num_nans" in self._slots:
+        if self._has("num_nans"):
             nans = self._numpy("num_nans")[:n].astype(np.int32)
             valid = None
             if len(nans) < n:  # zip() in vLLM stops at the shorter: the rest have no entry

@@ -116,7 +116,7 @@ def test_async_arrow_output_record_batch_equals_the_outputs(kw: dict[str, Any]) 
 def test_async_arrow_output_logprobs_point_into_the_slab() -> None:
     mro, sampler, counts = _step(8, 1)
     pool = StagingPool(max_slabs=2)
-    out = AsyncArrowOutput(mro, sampler, counts, pool=pool)
+    out = AsyncArrowOutput(mro, sampler, counts, pool=pool, copy_host=True)
     batch = out.get_record_batch()
     slab = out._staged._lease.slab
     lo, hi = slab.data_ptr(), slab.data_ptr() + slab.numel()
@@ -128,6 +128,14 @@ def test_async_arrow_output_logprobs_point_into_the_slab() -> None:
     del batch, token_ids
     gc.collect()
     assert pool.free_slabs() == 1
+
+
+def test_async_arrow_output_host_logprobs_are_used_in_place() -> None:
+    # As vLLM's to_cpu_nonblocking(): host tensors are not copied; the batch views them.
+    mro, sampler, counts = _step(8, 1)
+    batch = AsyncArrowOutput(mro, sampler, counts).get_record_batch()
+    token_ids = batch.column("logprobs").values.field("token_ids").values.buffers()[1]
+    assert token_ids.address == sampler.logprobs_tensors.logprob_token_ids.data_ptr()
 
 
 def test_async_arrow_output_with_a_declared_int32_schema() -> None:
