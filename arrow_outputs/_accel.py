@@ -33,6 +33,7 @@ __all__ = [
     "accelerated",
     "flatten_int_lists",
     "index_in_order",
+    "mask_rows",
     "set_pure_python",
     "split_int_lists",
     "str_list",
@@ -60,6 +61,7 @@ utf8_array = _pyspeedups.utf8_array
 index_in_order = _pyspeedups.index_in_order
 str_list = _pyspeedups.str_list
 split_int_lists = _pyspeedups.split_int_lists
+mask_rows = _pyspeedups.mask_rows
 _using_c = False
 
 
@@ -71,7 +73,8 @@ def set_pure_python(flag: bool) -> None:
     UnsupportedValueError
         For ``False`` when the compiled module is not available (:data:`AVAILABLE`).
     """
-    global flatten_int_lists, utf8_array, index_in_order, str_list, split_int_lists, _using_c
+    global flatten_int_lists, utf8_array, index_in_order, str_list, split_int_lists, mask_rows
+    global _using_c
     impl = _pyspeedups
     if not flag:
         if _compiled is None:
@@ -87,6 +90,7 @@ def set_pure_python(flag: bool) -> None:
     index_in_order = impl.index_in_order
     str_list = impl.str_list
     split_int_lists = impl.split_int_lists
+    mask_rows = impl.mask_rows
     _using_c = not flag
 
 

@@ -31,7 +31,14 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-__all__ = ["flatten_int_lists", "index_in_order", "split_int_lists", "str_list", "utf8_array"]
+__all__ = [
+    "flatten_int_lists",
+    "index_in_order",
+    "mask_rows",
+    "split_int_lists",
+    "str_list",
+    "utf8_array",
+]
 
 _INT32_MAX = 2**31 - 1
 _SSIZE_MIN, _SSIZE_MAX = -sys.maxsize - 1, sys.maxsize  # the range of C Py_ssize_t
@@ -293,3 +300,65 @@ def split_int_lists(values: Any, offsets: Any, itemsize: Any, n: Any, /) -> list
         return flat.reshape(n, int(lengths[0])).tolist()
     values = flat.tolist()
     return [values[a:b] for a, b in itertools.pairwise((offs - lo).tolist())]
+
+
+def mask_rows(
+    token_ids: Any, width: Any, packed: Any, row_bytes: Any, lens: Any, vocab_size: Any, out: Any, /
+) -> bool:
+    """Fill ``out`` (int32) with the supports of sampling-mask rows, rows concatenated.
+
+    Row ``r`` (of ``len(lens) // 4`` rows) keeps its first ``lens[r]`` compact ids from
+    ``token_ids`` (int32, ``width`` a row) when ``lens[r] <= width``; otherwise the ids of the
+    set bits of its ``packed`` row (``row_bytes`` a row, little bit order, ids below
+    ``vocab_size``), which must number exactly ``lens[r]``.
+
+    Returns
+    -------
+    bool
+        False (``out`` unspecified) when a buffer is too short, ``out`` is not writable or
+        not exactly ``sum(lens)`` ids, a length is negative, ``row_bytes`` is below
+        ``ceil(vocab_size / 8)``, or a bitmask row's set bits disagree with its count.
+
+    Examples
+    --------
+    >>> tok = np.array([[3, 9], [0, 0]], np.int32)
+    >>> packed = np.array([[0, 0], [0b101, 0b1]], np.uint8)  # row 1: ids 0, 2, 8
+    >>> out = np.empty(4, np.int32)
+    >>> mask_rows(tok, 2, packed, 2, np.array([1, 3], np.int32), 10, out), out.tolist()
+    (True, [3, 0, 2, 8])
+    """
+    width, row_bytes, vocab = _ssize(width), _ssize(row_bytes), _ssize(vocab_size)
+    tok_b, bits_b, lens_b = _raw_bytes(token_ids), _raw_bytes(packed), _raw_bytes(lens)
+    try:
+        view = memoryview(out)
+    except TypeError:
+        return False
+    if tok_b is None or bits_b is None or lens_b is None or view.readonly:
+        return False
+    if not view.c_contiguous or width < 0 or row_bytes < 0 or vocab < 0:
+        return False
+    if row_bytes < (vocab + 7) // 8 or len(lens_b) % 4 or view.nbytes % 4:
+        return False
+    lens_a = lens_b.view("<i4")
+    rows = len(lens_a)
+    if len(tok_b) // 4 < rows * width or len(bits_b) < rows * row_bytes:
+        return False
+    if rows and int(lens_a.min()) < 0:
+        return False
+    if int(lens_a.sum(dtype=np.int64)) != view.nbytes // 4:
+        return False
+    tok = tok_b[: rows * width * 4].view("<i4").reshape(rows, width)
+    dest = np.frombuffer(view.cast("B"), dtype="<i4")
+    pos = 0
+    for r in range(rows):
+        n = int(lens_a[r])
+        if n <= width:
+            dest[pos : pos + n] = tok[r, :n]
+        else:
+            row = bits_b[r * row_bytes : r * row_bytes + row_bytes]
+            ids = np.flatnonzero(np.unpackbits(row, count=vocab, bitorder="little"))
+            if len(ids) != n:
+                return False
+            dest[pos : pos + n] = ids
+        pos += n
+    return True

@@ -596,6 +596,103 @@ done:
     return result;
 }
 
+/* mask_rows(token_ids, width, packed, row_bytes, lens, vocab_size, out) -> bool
+ *
+ * The supports of sampling-mask rows, concatenated into `out` (int32): row r keeps its first
+ * lens[r] compact ids when lens[r] <= width, else the set bits of its packed bitmask row
+ * (little bit order, ids below vocab_size), which must number exactly lens[r]. False (and
+ * `out` unspecified) when a buffer is too short, `out` is not exactly sum(lens) ids, a length
+ * is negative, or a bitmask row disagrees with its count: the caller's numpy path then raises
+ * the precise error. */
+static PyObject *
+mask_rows(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer tbuf, pbuf, lbuf, obuf;
+    int have_t = 0, have_p = 0, have_l = 0, have_o = 0, ok = 0;
+    Py_ssize_t width, row_bytes, vocab;
+
+    if (!check_nargs("mask_rows", nargs, 7) || !ssize_arg(args[1], &width) ||
+        !ssize_arg(args[3], &row_bytes) || !ssize_arg(args[5], &vocab)) {
+        return NULL;
+    }
+    if ((have_t = get_bytes(args[0], &tbuf)) < 0 || (have_p = get_bytes(args[2], &pbuf)) < 0 ||
+        (have_l = get_bytes(args[4], &lbuf)) < 0) {
+        goto done;
+    }
+    /* Asked read-only, as memoryview() asks, then refused when read-only: exporters answer
+     * a writable request differently (numpy raises ValueError), the twin sees .readonly. */
+    if ((have_o = get_bytes(args[6], &obuf)) < 0) {
+        goto done;
+    }
+    if (!have_t || !have_p || !have_l || !have_o || obuf.readonly || width < 0 || row_bytes < 0 ||
+        vocab < 0 ||
+        row_bytes < (vocab + 7) / 8 || lbuf.len % 4 || obuf.len % 4) {
+        goto answer;
+    }
+    {
+        Py_ssize_t rows = lbuf.len / 4, cap = obuf.len / 4, pos = 0;
+        const char *tok = (const char *)tbuf.buf, *lens = (const char *)lbuf.buf;
+        const unsigned char *bits = (const unsigned char *)pbuf.buf;
+        char *out = (char *)obuf.buf;
+        if (width > 0 && tbuf.len / 4 / width < rows) {
+            goto answer;
+        }
+        if (row_bytes > 0 && pbuf.len / row_bytes < rows) {
+            goto answer;
+        }
+        for (Py_ssize_t r = 0; r < rows; r++) {
+            Py_ssize_t n = load_i32(lens, r);
+            if (n < 0 || n > cap - pos) {
+                goto answer;
+            }
+            if (n <= width) {
+                if (n > 0) { /* memcpy of 0 bytes may still not be given NULL */
+                    memcpy(out + pos * 4, tok + (r * width) * 4, (size_t)n * 4);
+                }
+                pos += n;
+                continue;
+            }
+            const unsigned char *row = bits + r * row_bytes;
+            Py_ssize_t found = 0, nbytes = (vocab + 7) / 8;
+            for (Py_ssize_t b = 0; b < nbytes; b++) {
+                unsigned int byte = row[b];
+                while (byte) {
+                    Py_ssize_t id = b * 8 + __builtin_ctz(byte);
+                    byte &= byte - 1;
+                    if (id >= vocab) {
+                        break;
+                    }
+                    if (found == n) {
+                        goto answer; /* more set bits than the count */
+                    }
+                    store_i32(out, pos + found, (int32_t)id);
+                    found++;
+                }
+            }
+            if (found != n) {
+                goto answer;
+            }
+            pos += n;
+        }
+        ok = pos == cap;
+    }
+answer:
+    if (!PyErr_Occurred()) {
+        PyObject *res = ok ? Py_True : Py_False;
+        if (have_t > 0) PyBuffer_Release(&tbuf);
+        if (have_p > 0) PyBuffer_Release(&pbuf);
+        if (have_l > 0) PyBuffer_Release(&lbuf);
+        if (have_o > 0) PyBuffer_Release(&obuf);
+        return Py_NewRef(res);
+    }
+done:
+    if (have_t > 0) PyBuffer_Release(&tbuf);
+    if (have_p > 0) PyBuffer_Release(&pbuf);
+    if (have_l > 0) PyBuffer_Release(&lbuf);
+    if (have_o > 0) PyBuffer_Release(&obuf);
+    return NULL;
+}
+
 static PyMethodDef speedups_methods[] = {
     {"flatten_int_lists", (PyCFunction)(void (*)(void))flatten_int_lists, METH_FASTCALL,
      "flatten_int_lists(lists, n, itemsize, /)\n--\n\n"
@@ -612,6 +709,8 @@ static PyMethodDef speedups_methods[] = {
     {"split_int_lists", (PyCFunction)(void (*)(void))split_int_lists, METH_FASTCALL,
      "split_int_lists(values, offsets, itemsize, n, /)\n--\n\n"
      "The lists of ints of an Arrow list array's buffers, or None (see _pyspeedups)."},
+    {"mask_rows", (PyCFunction)(void (*)(void))mask_rows, METH_FASTCALL,
+     "Sampling-mask rows' supports into an int32 buffer (see _pyspeedups.mask_rows)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -8,3 +8,6 @@ def str_list(offsets: Any, data: Any, offset: Any, n: Any, /) -> list[str] | Non
 def split_int_lists(
     values: Any, offsets: Any, itemsize: Any, n: Any, /
 ) -> list[list[int]] | None: ...
+def mask_rows(
+    token_ids: Any, width: Any, packed: Any, row_bytes: Any, lens: Any, vocab_size: Any, out: Any, /
+) -> bool: ...

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 import pyarrow as pa
 
+from . import _accel
 from ._checks import arange_offsets, check_dtype, check_ndim, describe, host_array
 from ._torch import is_tensor, tensor_dtype_name
 from .errors import (
@@ -498,6 +499,16 @@ def _supports(
         # Positions are the active rows; dropped rows have length 0, so the offsets at the
         # active rows' ends are the CSR offsets.
         offsets = np.concatenate((all_offsets[:1], all_offsets[1:][active]))
+
+    # The C walk, when built: one pass over the rows (compact copy or bit scan per row). It
+    # gives up on anything irregular, and the numpy path below raises the precise error.
+    if rows and _accel.accelerated():
+        flat = np.empty(int(all_offsets[-1]), dtype=np.int32)
+        lens32 = np.ascontiguousarray(lens, dtype=np.int32)
+        tok = np.ascontiguousarray(token_ids)
+        bits = np.ascontiguousarray(packed)
+        if _accel.mask_rows(tok, width, bits, bits.shape[1], lens32, vocab_size, flat):
+            return flat, offsets, cu
 
     # Seen as unsigned, a negative count is huge: one reduction finds the rows that need a
     # second look (wider than the compact row, or negative).

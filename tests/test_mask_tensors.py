@@ -28,6 +28,9 @@ from arrow_outputs.mask_tensors import (
 from arrow_outputs.masks import SAMPLING_MASK_TYPE, sampling_masks_from_arrow
 from arrow_outputs.outputs import SamplingMaskLists
 
+# Every test here runs on the C accelerator and on the pure-Python path.
+pytestmark = pytest.mark.usefixtures("codec_path")
+
 torch = pytest.importorskip("torch")
 
 INF = float("inf")

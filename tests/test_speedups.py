@@ -40,7 +40,14 @@ IMPLS = [
     ),
 ]
 BOTH = [m for m in (_pyspeedups, _speedups) if m is not None]
-FUNCS = ("flatten_int_lists", "utf8_array", "index_in_order", "str_list", "split_int_lists")
+FUNCS = (
+    "flatten_int_lists",
+    "utf8_array",
+    "index_in_order",
+    "str_list",
+    "split_int_lists",
+    "mask_rows",
+)
 I32 = (-(2**31), 2**31 - 1)
 I64 = (-(2**63), 2**63 - 1)
 
@@ -1047,3 +1054,90 @@ def test_accel_default_is_compiled_when_available():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env
     )
     assert out.stdout.strip() == str(_speedups is not None)
+
+
+# ----------------------------------------------------------------------------- mask_rows
+
+
+def _mask_case(seed: int, rows: int = 12, width: int = 4, vocab: int = 37):
+    rng = np.random.default_rng(seed)
+    keep = rng.random((rows, vocab)) < rng.random((rows, 1)) * 0.5
+    lens = keep.sum(axis=1).astype(np.int32)
+    tok = np.zeros((rows, width), np.int32)
+    for r in range(rows):
+        ids = np.flatnonzero(keep[r])[:width]
+        tok[r, : len(ids)] = ids
+    packed = np.packbits(keep, axis=1, bitorder="little")
+    expected = np.concatenate([np.flatnonzero(keep[r]) for r in range(rows)] + [[]]).astype(
+        np.int32
+    )
+    return tok, width, packed, packed.shape[1], lens, vocab, expected
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_mask_rows_supports(impl, seed):
+    tok, width, packed, row_bytes, lens, vocab, expected = _mask_case(seed)
+    out = np.empty(int(lens.sum()), np.int32)
+    assert impl.mask_rows(tok, width, packed, row_bytes, lens, vocab, out) is True
+    assert out.tolist() == expected.tolist()
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "short_tok",
+        "short_packed",
+        "negative_len",
+        "count_off",
+        "out_size",
+        "readonly_out",
+        "row_bytes_small",
+        "odd_lens",
+    ],
+)
+def test_mask_rows_refuses(damage):
+    tok, width, packed, row_bytes, lens, vocab, _ = _mask_case(3)
+    lens = lens.copy()
+    out = np.empty(int(lens.sum()), np.int32)
+    args = [tok, width, packed, row_bytes, lens, vocab, out]
+    wide = int(np.argmax(lens > width))
+    if damage == "short_tok":
+        args[0] = tok.reshape(-1)[:-1].copy()
+    elif damage == "short_packed":
+        args[2] = packed.reshape(-1)[:-1].copy()
+    elif damage == "negative_len":
+        lens[0] = -1
+    elif damage == "count_off":
+        lens[wide] += 1
+        args[6] = np.empty(int(lens.sum()), np.int32)
+    elif damage == "out_size":
+        args[6] = np.empty(int(lens.sum()) + 1, np.int32)
+    elif damage == "readonly_out":
+        out.flags.writeable = False
+    elif damage == "row_bytes_small":
+        args[3] = row_bytes - 1
+        args[2] = packed.reshape(-1).copy()
+    elif damage == "odd_lens":
+        args[4] = lens.view(np.uint8)[:-1].copy()
+    assert agree("mask_rows", *args) is False
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_mask_rows_random_buffers_never_crash(seed):
+    rng = np.random.default_rng(seed)
+    rows = int(rng.integers(0, 6))
+    width = int(rng.integers(0, 5))
+    vocab = int(rng.integers(0, 40))
+    row_bytes = int(rng.integers(0, 7))
+    tok = rng.integers(-5, 50, int(rng.integers(0, 30))).astype(np.int32)
+    packed = rng.integers(0, 256, int(rng.integers(0, 30))).astype(np.uint8)
+    lens = rng.integers(-1, 10, rows).astype(np.int32)
+    out = np.empty(int(rng.integers(0, 40)), np.int32)
+    c_out = out.copy()
+    got = [
+        m.mask_rows(tok, width, packed, row_bytes, lens, vocab, o)
+        for m, o in zip(BOTH, (out, c_out))
+    ]
+    assert all(g == got[0] for g in got)
+    if got[0]:
+        assert out.tolist() == c_out.tolist()
