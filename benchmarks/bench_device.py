@@ -72,12 +72,12 @@ import numpy as np
 import torch
 
 import arrow_outputs as ao
-from arrow_outputs import LogprobsLists, SamplingMaskLists
+from arrow_outputs import LogprobsLists
 from arrow_outputs.async_output import AsyncArrowOutput
 from arrow_outputs.device import StagingPool
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_masks import (  # a sibling script, not a package
+from bench_masks import (
     Figure,
     Settings,
     _t,
@@ -86,6 +86,9 @@ from bench_masks import (  # a sibling script, not a package
     ratio,
     sample_rounds,
     stats,
+)
+from bench_masks import (  # a sibling script, not a package
+    vllm_tolists as vllm_mask_tolists,
 )
 
 SIZES = (64, 512, 1024)
@@ -113,37 +116,6 @@ class SamplerOutput(NamedTuple):
 
 
 # ----------------------------------------------------------------------------- baseline
-
-
-def vllm_mask_tolists(masks: Any, num_sampled_tokens: np.ndarray | None = None) -> Any:
-    """vLLM 0.33's ``SamplingMaskTensors.tolists`` (``vllm/v1/worker/gpu/sample/output.py``),
-    its per-row loop as it is there, returning our ``SamplingMaskLists``."""
-    counts = masks.counts.cpu().numpy()
-    token_ids = masks.token_ids.cpu().numpy()
-    packed_mask = masks.packed_mask.cpu().numpy()
-    width = token_ids.shape[1]
-
-    cu_num_generated_tokens = None
-    if masks.rows_per_request == 1:
-        sampled_rows = np.arange(len(counts))
-    else:
-        assert num_sampled_tokens is not None
-        active_slots = np.arange(masks.rows_per_request)[None, :] < num_sampled_tokens[:, None]
-        sampled_rows = np.flatnonzero(active_slots)
-        cu_num_generated_tokens = np.cumsum(np.concatenate(([0], num_sampled_tokens))).tolist()
-
-    def support(row: int) -> np.ndarray:
-        if counts[row] <= width:
-            return token_ids[row, : counts[row]]
-        # Wider than the compact row (ties or a huge top_k): use the bitmask.
-        bits = np.unpackbits(packed_mask[row], count=masks.vocab_size, bitorder="little")
-        return np.flatnonzero(bits).astype(np.int32, copy=False)
-
-    supports = [support(row) for row in sampled_rows]
-    offsets = np.zeros(len(supports) + 1, dtype=np.int64)
-    np.cumsum([len(s) for s in supports], out=offsets[1:])
-    flat = np.concatenate([np.empty(0, dtype=np.int32), *supports])
-    return SamplingMaskLists(flat, offsets, cu_num_generated_tokens)
 
 
 @dataclass
