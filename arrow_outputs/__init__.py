@@ -27,6 +27,7 @@ from .device import PoolStats, Staged, StagingPool, buffer_to_tensor, tensor_to_
 from .errors import (
     ArrowOutputsError,
     ConsistencyError,
+    CorruptFileError,
     DTypeError,
     FieldTypeError,
     FormatVersionError,
@@ -36,6 +37,7 @@ from .errors import (
     ShapeError,
     StepMetadataError,
     UnsupportedValueError,
+    WriterError,
 )
 from .logprobs import logprobs_from_arrow, logprobs_to_arrow
 from .mask_tensors import MAX_COMPACT_SUPPORT, SamplingMaskTensors, mask_tensors_to_arrow
@@ -55,6 +57,17 @@ from .outputs import (
     SamplingMaskLists,
     make_empty_encoder_model_runner_output,
 )
+from .reader import (
+    RecoveryReport,
+    RunReader,
+    StepBatch,
+    follow,
+    iter_batches,
+    iter_outputs,
+    open_run,
+    read_table,
+    recover,
+)
 from .records import Record
 from .schema import (
     FORMAT_NAME,
@@ -66,8 +79,22 @@ from .schema import (
     run_metadata,
 )
 from .tensors import TensorSpec
+from .writer import OutputWriter, WriterStats
 
 __all__ = [
+    "recover",
+    "read_table",
+    "open_run",
+    "iter_outputs",
+    "iter_batches",
+    "follow",
+    "WriterStats",
+    "WriterError",
+    "StepBatch",
+    "RunReader",
+    "RecoveryReport",
+    "OutputWriter",
+    "CorruptFileError",
     "ArrowOutputsError",
     "AsyncArrowOutput",
     "AsyncArrowPoolingOutput",

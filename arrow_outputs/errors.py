@@ -12,6 +12,7 @@ from __future__ import annotations
 __all__ = [
     "ArrowOutputsError",
     "ConsistencyError",
+    "CorruptFileError",
     "DTypeError",
     "FieldTypeError",
     "FormatVersionError",
@@ -21,6 +22,7 @@ __all__ = [
     "ShapeError",
     "StepMetadataError",
     "UnsupportedValueError",
+    "WriterError",
 ]
 
 
@@ -90,6 +92,16 @@ class StepMetadataError(SchemaMismatchError):
 
 class FormatVersionError(ArrowOutputsError, ValueError):
     """A batch written by a newer major version of the format."""
+
+
+class CorruptFileError(ArrowOutputsError, ValueError):
+    """Bytes of a run file, stream or message that are not valid Arrow IPC of this format:
+    truncated, corrupted, or with offsets, lengths or metadata that do not hold."""
+
+
+class WriterError(ArrowOutputsError, RuntimeError):
+    """An :class:`~arrow_outputs.OutputWriter` that can take no more steps: closed, or
+    stopped by an error in its background thread (raised first as itself)."""
 
 
 class OpaqueValueWarning(UserWarning):
