@@ -459,11 +459,15 @@ def test_follow_gives_up_on_a_dead_writer_only_when_asked(tmp_path):
     write_run(src)
     path = tmp_path / "dead.arrows"
     path.write_bytes(src.read_bytes()[:-200])
-    steps = ao.follow(path, poll_interval=0.01, idle_timeout=0.3)
-    got = [next(steps) for _ in range(4)]  # the whole steps are there
-    assert [s.step for s in got] == [0, 1, 2, 3]
+    seen = []
+
+    def drain():
+        for step in ao.follow(path, poll_interval=0.01, idle_timeout=0.3):
+            seen.append(step.step)
+
     with pytest.raises(ao.CorruptFileError, match="idle_timeout"):
-        next(steps)
+        drain()
+    assert seen == [0, 1, 2, 3, 4]  # every whole step came first
 
 
 # -- recovery ----------------------------------------------------------------------------
@@ -581,3 +585,14 @@ def test_recover_bad_arguments(tmp_path):
     with pytest.raises(ao.CorruptFileError):
         ao.recover(tmp_path / "none.arrows", tmp_path / "out.arrows")
     assert not os.path.exists(tmp_path / "out.arrows")
+
+
+def test_schema_doc_specifies_the_run_keys_the_writer_writes():
+    doc = (ROOT / "docs" / "schema.md").read_text()
+    section = doc.split("## Runs: running counts and the end marker")[1].split("\n## ")[0]
+    for key, fields in (
+        (KEY_PROGRESS, '{"index", "steps", "rows", "dropped"}'),
+        (KEY_END, '{"steps", "rows", "dropped"}'),
+    ):
+        assert f"`{key.decode()}`" in section
+        assert fields in section
