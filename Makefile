@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed
 # to pure Python quietly); tests/test_speedups.py checks it imported. Override with =0.
 export ARROW_OUTPUTS_REQUIRE_SPEEDUPS ?= 1
 
-.PHONY: install test lint typecheck unit docs notebooks bench clean
+.PHONY: install demo test lint typecheck unit docs notebooks bench clean
 
 # setup.py and the C source too: `pip install -e .` is what recompiles arrow_outputs._speedups.
 $(STAMP): pyproject.toml setup.py arrow_outputs/_speedups.c
@@ -22,6 +22,10 @@ $(STAMP): pyproject.toml setup.py arrow_outputs/_speedups.c
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# The main job: the embedded demo engine streams a run into an Arrow file, then summarises it.
+demo: $(STAMP)
+	$(VENV)/bin/arrow-outputs demo $(DEMO_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check arrow_outputs tests benchmarks notebooks/execute.py setup.py
