@@ -68,17 +68,20 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("demo", help="run the embedded demo engine into a run file")
+    def command(name: str, text: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
+
+    p = command("demo", "run the embedded demo engine into a run file")
     _add_demo(p)
 
-    p = sub.add_parser("inspect", help="schema, steps, rows, completeness and a few rows")
+    p = command("inspect", "schema, steps, rows, completeness and a few rows")
     p.add_argument("file", help="a run file")
     p.add_argument("--rows", type=_count, default=5, metavar="N", help="rows to show (5)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--no-validate", action="store_true", help="trust the file (no validation)")
     p.set_defaults(run=_inspect)
 
-    p = sub.add_parser("convert", help="a run to IPC (re-written), Parquet or a dataset")
+    p = command("convert", "a run to IPC (re-written), Parquet or a dataset")
     p.add_argument("file", help="a run file")
     p.add_argument("--to", required=True, choices=("ipc", "parquet", "dataset"))
     p.add_argument("-o", "--out", required=True, help="output file (directory for dataset)")
@@ -91,13 +94,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=_convert)
 
-    p = sub.add_parser("recover", help="save every whole step of a run whose writer died")
+    p = command("recover", "save every whole step of a run whose writer died")
     p.add_argument("file", help="the damaged run file")
     p.add_argument("-o", "--out", required=True, help="the recovered run file")
     p.add_argument("--format", choices=("stream", "file"), default="stream")
     p.set_defaults(run=_recover)
 
-    p = sub.add_parser("follow", help="print each step of a run while it is written")
+    p = command("follow", "print each step of a run while it is written")
     p.add_argument("file", help="a run file (it may not exist yet)")
     p.add_argument(
         "--idle-timeout", type=float, default=None, metavar="S",
@@ -106,7 +109,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="one JSON object per step")
     p.set_defaults(run=_follow)
 
-    p = sub.add_parser("serve", help="serve runs over Arrow Flight (DoPut, DoGet, live tail)")
+    p = command("serve", "serve runs over Arrow Flight (DoPut, DoGet, live tail)")
     p.add_argument("--root", default="runs", help="directory of stored runs (./runs)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (loopback)")
     p.add_argument("--port", type=int, default=None, help="port (the server's default)")
@@ -118,7 +121,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-key", default=None, help="PEM private key file (TLS)")
     p.set_defaults(run=_serve)
 
-    p = sub.add_parser("bench", help="run the benchmarks (from a source checkout)")
+    p = command("bench", "run the benchmarks (from a source checkout)")
     p.add_argument("which", nargs="*", help=f"any of {', '.join(BENCHMARKS)} (default: encode)")
     p.add_argument("--quick", action="store_true", help="fewer sizes and rounds")
     p.set_defaults(run=_bench)

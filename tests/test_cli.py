@@ -167,3 +167,17 @@ def test_help_for_every_command():
         assert result.returncode == 0, command
         assert f"arrow-outputs {command}" in result.stdout
     assert os.path.basename(sys.executable)  # the same interpreter ran them
+
+
+def test_cli_doc_lists_every_command_and_option():
+    from arrow_outputs.cli import _parser
+
+    doc = (Path(__file__).parent.parent / "docs" / "cli.md").read_text()
+    sub = next(a for a in _parser()._actions if a.dest == "command")
+    for name, parser in sub.choices.items():
+        assert f"## {name}\n" in doc, name
+        section = doc.split(f"## {name}\n")[1].split("\n## ")[0]
+        for action in parser._actions:
+            for option in action.option_strings:
+                if option.startswith("--") and option != "--help":
+                    assert option in section, (name, option)
