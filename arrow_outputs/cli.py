@@ -370,7 +370,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _progress(total: int, desc: str, enabled: bool) -> Any:
-    from .demo.progress import progress_bar
+    from .progress import progress_bar
 
     return progress_bar(total, desc, enabled=enabled and sys.stderr.isatty())
 
