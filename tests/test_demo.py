@@ -19,7 +19,6 @@ import arrow_outputs as ao
 from arrow_outputs.demo import DemoConfig, main, make_requests
 from arrow_outputs.demo.engine import run_demo
 from arrow_outputs.demo.model import Batch, KVCache, ModelConfig, TinyDecoder
-from arrow_outputs.progress import Progress
 from arrow_outputs.demo.sampler import (
     compute_logprobs,
     count_nans,
@@ -28,6 +27,7 @@ from arrow_outputs.demo.sampler import (
     sample,
     target_probs,
 )
+from arrow_outputs.progress import Progress
 from arrow_outputs.reader import open_run
 
 # A run small enough for a unit test that still has every feature: chunked prefill (prompts

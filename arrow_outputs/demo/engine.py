@@ -20,11 +20,11 @@ import torch
 
 from ..device import StagingPool
 from ..errors import FieldTypeError, UnsupportedValueError
+from ..progress import progress_bar
 from ..schema import ColumnTypes, output_schema
 from ..tensors import TensorSpec
 from ..writer import OutputWriter
 from .config import DemoConfig, make_requests
-from ..progress import progress_bar
 from .runner import ModelRunner, Scheduler
 from .summary import DemoSummary, summarize
 
