@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed
 # to pure Python quietly); tests/test_speedups.py checks it imported. Override with =0.
 export ARROW_OUTPUTS_REQUIRE_SPEEDUPS ?= 1
 
-.PHONY: install demo test lint typecheck unit docs notebooks bench clean
+.PHONY: install demo test lint typecheck unit docs notebooks notebooks-write bench clean
 
 # setup.py and the C source too: `pip install -e .` is what recompiles arrow_outputs._speedups.
 $(STAMP): pyproject.toml setup.py arrow_outputs/_speedups.c
@@ -42,6 +42,10 @@ docs: $(STAMP)
 
 notebooks: $(STAMP)
 	$(PY) notebooks/execute.py notebooks
+
+# Re-run the notebooks and save their outputs into the stored files (they are kept with outputs).
+notebooks-write: $(STAMP)
+	$(PY) notebooks/execute.py --write notebooks
 
 test: lint typecheck unit docs notebooks
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from . import analysis
 from .async_output import AsyncArrowOutput, AsyncArrowPoolingOutput
 from .batch import (
     from_record_batch,
