@@ -40,6 +40,7 @@ FORMATS = ("stream", "file")
 COMPRESSIONS = (None, "lz4", "zstd")
 ON_FULL = ("block", "drop")
 _STOP = object()
+_ABORT = object()
 
 
 @dataclass(frozen=True)
@@ -225,6 +226,22 @@ class OutputWriter:
         self._thread.join()
         self._raise_pending()
 
+    def abort(self) -> BaseException | None:
+        """Write the steps already queued, then close without the end marker: the run reads
+        as incomplete, as a run cut short should (an upload that broke off, a failed job).
+
+        Returns the background thread's error if one stopped it and was not raised yet,
+        rather than raising it.
+        """
+        if not self._closed:
+            with self._lock:
+                self._closed = True
+                self._put(_ABORT)
+            self._thread.join()
+        err = None if self._error_raised else self._error
+        self._error_raised = True
+        return err
+
     def __enter__(self) -> OutputWriter:
         return self
 
@@ -266,6 +283,8 @@ class OutputWriter:
                     if entry is _STOP:
                         self._finish()
                         return
+                    if entry is _ABORT:
+                        return  # the sink is closed below, without the end marker
                     if self._error is None:
                         self._write_entry(*entry)
                 except BaseException as e:  # surfaced on the caller's next call
@@ -348,7 +367,7 @@ class OutputWriter:
         self._writer = None
 
     def _close_sink(self) -> None:
-        if self._writer is not None:  # stopped by an error: leave the run without its end
+        if self._writer is not None:  # stopped by an error or aborted: no end marker
             with contextlib.suppress(pa.ArrowException, OSError):
                 self._writer.close()
         if self._owns_sink:

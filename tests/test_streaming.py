@@ -596,3 +596,19 @@ def test_schema_doc_specifies_the_run_keys_the_writer_writes():
     ):
         assert f"`{key.decode()}`" in section
         assert fields in section
+
+
+def test_abort_keeps_queued_steps_without_the_end_marker(tmp_path):
+    path = tmp_path / "run.arrows"
+    writer = ao.OutputWriter(path)
+    for out in STEPS[:3]:
+        writer.write(out)
+    assert writer.abort() is None
+    run = ao.open_run(path)
+    assert not run.complete
+    assert_steps(run.outputs(), STEPS[:3])
+    with pytest.raises(ao.WriterError):
+        writer.write(STEPS[0])
+    bad = ao.OutputWriter(tmp_path / "bad.arrows")
+    bad.write(ao.ModelRunnerOutput(["x"], {"x": 1}, [[1]]))
+    assert isinstance(bad.abort(), ao.ConsistencyError)  # returned, not raised
