@@ -433,6 +433,12 @@ def _raised(call: Any) -> str:
     return str(info.value)
 
 
+def _write_after_close() -> None:
+    writer = ao.OutputWriter(pa.BufferOutputStream())
+    writer.close()
+    writer.write(ModelRunnerOutput([], {}))
+
+
 def test_errors_doc_example_messages_are_what_the_code_raises():
     rows = _table(
         (DOCS / "errors.md").read_text(encoding="utf-8"),
@@ -482,6 +488,8 @@ def test_errors_doc_example_messages_are_what_the_code_raises():
         "FormatVersionError": _raised(
             lambda: ao.from_record_batch(batch.replace_schema_metadata(newer))
         ),
+        "CorruptFileError": _raised(lambda: ao.open_run(b"ARROW1\x00\x00garbage")),
+        "WriterError": _raised(_write_after_close),
     }
     with pytest.warns(ao.OpaqueValueWarning) as caught:
         ao.to_record_batch(one(kv_connector_output=KVConnectorOutput(kv_connector_stats=object())))

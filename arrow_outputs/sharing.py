@@ -1,0 +1,1041 @@
+"""Steps shared between processes on one machine, never copied by the consumers.
+
+A :class:`StepPublisher` (one per run, in the engine process) writes each step's record
+batch as one Arrow IPC message into a slot of a small ring of files on a tmpfs
+(``/dev/shm`` by default); any number of :class:`StepSubscriber` processes memory-map
+those files and read the batches in place: every column buffer of a batch a subscriber
+returns lies inside its mapping of the slot file (no copy of the payload). The run's
+schema is written once, to ``schema.arrows``; each slot holds one record-batch message
+with its step custom metadata, uncompressed, so ``schema.arrows`` followed by a slot's
+bytes is a plain Arrow IPC stream.
+
+Guarantees, and how they are kept:
+
+* **A batch a subscriber holds never changes.** Each subscriber marks the slots whose
+  memory it still uses (a lease that ends when the last Arrow buffer, numpy view or tensor
+  over that memory is freed); the publisher rewrites a slot only when no subscriber holds
+  it. A held slot that the ring needs again is *replaced*: the publisher unlinks its file
+  and writes a new one (a new generation), and the holder keeps the old pages, which Linux
+  keeps alive while they are mapped.
+* **A slow or dead subscriber never blocks the publisher for longer than a bound.** The
+  ring has ``slots`` entries: a subscriber may lag that many steps behind. When the ring is
+  full because of a subscriber that has not read an old step yet, the publisher waits at
+  most ``lag_timeout_s`` (a subscriber whose process is gone is dropped at once), then
+  applies ``on_lag``: ``"evict"`` (default) drops the subscriber (counted in
+  :attr:`StepPublisher.stats`; its next read raises :class:`SubscriberEvictedError`), and
+  ``"raise"`` raises :class:`StepTimeoutError` and publishes nothing.
+* **Everything a subscriber reads is hostile.** Slot numbers, generations and lengths from
+  the control file are checked against the files before anything is mapped or sliced,
+  every batch is fully validated (``batch.validate(full=True)``) unless the subscriber
+  was made with ``validate=False`` (for trusted producers, e.g. benchmarks), and bad bytes
+  raise :class:`CorruptSegmentError` or a :class:`~arrow_outputs.errors.SchemaMismatchError`.
+  Nothing is ever pickled.
+
+The control file is a small array of little-endian int64 words that every party maps;
+the publisher writes the header and the slot table, each subscriber writes only its own
+row. Word stores are single aligned 8-byte stores, and the protocol relies on the store
+order of x86-64 (total store order): it is written and tested for Linux on x86-64.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import secrets
+import stat
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from .batch import from_record_batch, run_schema, step_custom_metadata, step_metadata
+from .errors import ArrowOutputsError, FieldTypeError, SchemaMismatchError
+from .schema import check_format
+
+__all__ = [
+    "CorruptSegmentError",
+    "ProducerGoneError",
+    "PublisherStats",
+    "SharedStep",
+    "SharingError",
+    "StepPublisher",
+    "StepSubscriber",
+    "StepTimeoutError",
+    "SubscriberEvictedError",
+]
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+class SharingError(ArrowOutputsError):
+    """A failure of the cross-process handoff (not of a step's content)."""
+
+
+class CorruptSegmentError(SharingError, ValueError):
+    """The control file, the schema file or a slot holds bytes that break the layout."""
+
+
+class SubscriberEvictedError(SharingError):
+    """The publisher dropped this subscriber (it lagged past the ring or its timeout)."""
+
+
+class ProducerGoneError(SharingError):
+    """The publisher's process ended without closing the run; no more steps will come."""
+
+
+class StepTimeoutError(SharingError, TimeoutError):
+    """A wait ran past its timeout (a subscriber waiting for a step, or the publisher
+    waiting for a lagging subscriber with ``on_lag="raise"``)."""
+
+
+# ----------------------------------------------------------------------------- layout
+
+MAGIC = int.from_bytes(b"AOSHARE1", "little")
+LAYOUT_VERSION = 1
+CONTROL_NAME = "control"
+SCHEMA_NAME = "schema.arrows"
+LOCK_NAME = "lock"
+MAX_SLOTS = 4096
+MAX_CONSUMERS = 1024
+
+# Header words.
+H_MAGIC, H_VERSION, H_SLOTS, H_CONSUMERS, H_PID, H_HEAD, H_CLOSED, H_SCHEMA_LEN = range(8)
+H_EVICTED = 8
+HEADER_WORDS = 16
+# Slot table: one entry per slot.
+S_SEQ, S_GEN, S_LEN = range(3)
+SLOT_WORDS = 4
+# Consumer rows: fixed words, then one "held" word per slot.
+R_STATE, R_PID, R_POSITION, R_TOKEN, R_SEEN_NS, R_EVICTED_AT = range(6)
+ROW_FIXED = 8
+# DETACHED: closed while the process still holds batches of it (its marks still count).
+FREE, ACTIVE, EVICTED, DETACHED = 0, 1, 2, 3
+
+_ON_LAG = ("evict", "raise")
+_MIN_SLOT_BYTES = 64 * 1024
+
+
+def _row_words(slots: int) -> int:
+    return ROW_FIXED + slots
+
+
+def _control_words(slots: int, consumers: int) -> int:
+    return HEADER_WORDS + slots * SLOT_WORDS + consumers * _row_words(slots)
+
+
+def _slot_name(slot: int, gen: int) -> str:
+    return f"slot-{slot:04d}-{gen:010d}"
+
+
+def _views(
+    ctl_map: mmap.mmap, slots: int, consumers: int
+) -> tuple[memoryview, list[memoryview], list[memoryview]]:
+    """The control words, one view per slot entry and one per consumer row. Plain
+    memoryviews: an item store is one aligned 8-byte store, and far cheaper than numpy's."""
+    if sys.byteorder != "little":
+        raise SharingError("platform", "a little-endian machine", sys.byteorder)
+    ctl = memoryview(ctl_map)[: _control_words(slots, consumers) * 8].cast("q")
+    base = HEADER_WORDS
+    tab = [ctl[base + i * SLOT_WORDS : base + (i + 1) * SLOT_WORDS] for i in range(slots)]
+    base += slots * SLOT_WORDS
+    w = _row_words(slots)
+    rows = [ctl[base + i * w : base + (i + 1) * w] for i in range(consumers)]
+    return ctl, tab, rows
+
+
+def _address(m: mmap.mmap) -> int:
+    view = np.frombuffer(m, dtype=np.uint8)
+    try:
+        return int(view.ctypes.data)
+    finally:
+        del view  # the export ends here; the map itself lives on
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by another user
+        return True
+    return True
+
+
+def _default_dir() -> Path:
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() else Path(tempfile.gettempdir())
+
+
+def _map_file(path: Path, *, write: bool) -> tuple[mmap.mmap, int]:
+    """Map a whole regular file (no symlinks followed); returns the map and its size."""
+    flags = (os.O_RDWR if write else os.O_RDONLY) | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(path, flags)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptSegmentError(str(path), "a regular file", f"mode {oct(st.st_mode)}")
+        if st.st_size == 0:
+            raise CorruptSegmentError(str(path), "a non-empty file", "0 bytes")
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if write else 0)
+        return mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, prot), st.st_size
+    finally:
+        os.close(fd)
+
+
+# ----------------------------------------------------------------------------- publisher
+
+
+@dataclass
+class PublisherStats:
+    """Counters of a :class:`StepPublisher` (this process's view)."""
+
+    published: int = 0  #: steps published
+    payload_bytes: int = 0  #: IPC bytes written into slots
+    evicted: int = 0  #: subscribers dropped (lag past the ring, timeout, or process gone)
+    replaced_slots: int = 0  #: slot files replaced because a subscriber still held them
+    lag_waits: int = 0  #: publishes that had to wait for a lagging subscriber
+    lag_wait_s: float = 0.0  #: total time spent in those waits
+    evicted_pids: list[int] = field(default_factory=list)  #: pids of dropped subscribers
+
+
+class _SlotFile:
+    """One generation of a slot's file, mapped writable by the publisher for the whole
+    time it is the slot's file (its pages are reused step after step)."""
+
+    __slots__ = ("capacity", "gen", "map", "target")
+
+    def __init__(self, path: Path, gen: int, capacity: int) -> None:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
+        try:
+            os.ftruncate(fd, capacity)
+            self.map = mmap.mmap(fd, capacity)
+        finally:
+            os.close(fd)
+        self.gen = gen
+        self.capacity = capacity
+        self.target = pa.py_buffer(self.map)
+
+
+class StepPublisher:
+    """The producer side: publishes each step's record batch to shared memory.
+
+    Parameters
+    ----------
+    path
+        Directory to create for the run (it must not exist). Default: a fresh directory
+        under ``/dev/shm`` (or the temp dir where there is no ``/dev/shm``). Subscribers
+        open the same path; :attr:`path` says where it is.
+    slots
+        Ring size: how many published steps may be in flight (unread by a subscriber).
+    max_consumers
+        Rows in the control file: how many subscribers may be attached at once.
+    lag_timeout_s
+        The longest a publish waits for a subscriber that has not read the step whose slot
+        is needed next. A subscriber whose process is gone is dropped without waiting.
+    on_lag
+        What happens at the timeout: ``"evict"`` drops the lagging subscribers (their next
+        read raises :class:`SubscriberEvictedError`), ``"raise"`` raises
+        :class:`StepTimeoutError` and publishes nothing (call again to retry).
+    check_pids
+        Drop subscribers whose process has ended (``kill(pid, 0)``). Turn it off when
+        subscribers live in another PID namespace.
+
+    Examples
+    --------
+    >>> import arrow_outputs as ao
+    >>> out = ao.ModelRunnerOutput(["a"], {"a": 0}, [[7]])
+    >>> with StepPublisher(slots=4) as pub, StepSubscriber(pub.path) as sub:
+    ...     seq = pub.publish(ao.to_record_batch(out, step=0))
+    ...     step = sub.next(timeout=5)
+    ...     (seq, step.seq, step.output().sampled_token_ids)
+    (1, 1, [[7]])
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        slots: int = 8,
+        max_consumers: int = 8,
+        lag_timeout_s: float = 1.0,
+        on_lag: str = "evict",
+        check_pids: bool = True,
+    ) -> None:
+        if not isinstance(slots, int) or not 2 <= slots <= MAX_SLOTS:
+            raise FieldTypeError("slots", f"an int within 2..{MAX_SLOTS}", repr(slots))
+        if not isinstance(max_consumers, int) or not 1 <= max_consumers <= MAX_CONSUMERS:
+            raise FieldTypeError(
+                "max_consumers", f"an int within 1..{MAX_CONSUMERS}", repr(max_consumers)
+            )
+        if on_lag not in _ON_LAG:
+            raise FieldTypeError("on_lag", f"one of {_ON_LAG}", repr(on_lag))
+        if not isinstance(lag_timeout_s, (int, float)) or not lag_timeout_s >= 0:
+            raise FieldTypeError("lag_timeout_s", "a number >= 0", repr(lag_timeout_s))
+        if path is None:
+            name = f"arrow_outputs-{os.getpid()}-{secrets.token_hex(6)}"
+            path = _default_dir() / name
+        self.path = Path(path)
+        os.mkdir(self.path, 0o700)  # fails if it exists: a run never reuses another's files
+        self._slots = slots
+        self._consumers = max_consumers
+        self._lag_timeout_s = float(lag_timeout_s)
+        self._on_lag = on_lag
+        self._check_pids = check_pids
+        self.stats = PublisherStats()
+        self._closed = False
+        words = _control_words(slots, max_consumers)
+        ctl_path = self.path / CONTROL_NAME
+        fd = os.open(ctl_path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, words * 8)
+            self._ctl_map = mmap.mmap(fd, words * 8)
+        finally:
+            os.close(fd)
+        (self.path / LOCK_NAME).touch(0o600)
+        self._ctl, self._slot_tab, self._rows = _views(self._ctl_map, slots, max_consumers)
+        self._head = 0
+        self._files: list[_SlotFile | None] = [None] * slots
+        self._schema: pa.Schema | None = None
+        self._schema_len = 0
+        self._options = pa.ipc.IpcWriteOptions(use_threads=False)
+        ctl = self._ctl
+        ctl[H_VERSION] = LAYOUT_VERSION
+        ctl[H_SLOTS] = slots
+        ctl[H_CONSUMERS] = max_consumers
+        ctl[H_PID] = os.getpid()
+        ctl[H_MAGIC] = MAGIC  # last: a subscriber that sees the magic sees the rest
+
+    # -- properties
+
+    @property
+    def head(self) -> int:
+        """Sequence number of the last published step (0 before the first; steps count
+        from 1)."""
+        return self._head
+
+    @property
+    def schema(self) -> pa.Schema | None:
+        """The run's schema, fixed by the first published batch."""
+        return self._schema
+
+    def subscribers(self) -> int:
+        """How many subscribers are attached (not evicted) now."""
+        return sum(1 for r in self._rows if r[R_STATE] == ACTIVE)
+
+    def wait_for_subscribers(self, n: int, timeout: float = 10.0) -> None:
+        """Block until ``n`` subscribers are attached; :class:`StepTimeoutError` after
+        ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while self.subscribers() < n:
+            if time.monotonic() > deadline:
+                raise StepTimeoutError(
+                    "subscribers", f"{n} attached within {timeout} s", str(self.subscribers())
+                )
+            time.sleep(0.001)
+
+    # -- publishing
+
+    def _start_run(self, batch: pa.RecordBatch) -> None:
+        schema = run_schema(batch)
+        check_format(schema)
+        out = pa.BufferOutputStream()
+        pa.ipc.new_stream(out, schema, options=self._options).close()
+        data = out.getvalue().to_pybytes()[:-8]  # the schema message, without end-of-stream
+        tmp = self.path / (SCHEMA_NAME + ".tmp")
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, self.path / SCHEMA_NAME)
+        self._schema = schema
+        self._schema_len = len(data)
+        self._ctl[H_SCHEMA_LEN] = len(data)
+
+    def _write(self, f: _SlotFile, batch: pa.RecordBatch, custom: Mapping[bytes, bytes]) -> int:
+        """One IPC stream (schema, the batch with its custom metadata, end of stream) into
+        the slot's pages: pyarrow's writer copies the buffers straight into them."""
+        sink = pa.FixedSizeBufferWriter(f.target)
+        writer = pa.ipc.new_stream(sink, self._schema, options=self._options)
+        writer.write_batch(batch, custom_metadata=custom)
+        writer.close()
+        return int(sink.tell())
+
+    def publish(
+        self, batch: pa.RecordBatch, custom_metadata: Mapping[bytes, bytes] | None = None
+    ) -> int:
+        """Publish one step's record batch; returns its sequence number (1, 2, ...).
+
+        Parameters
+        ----------
+        batch
+            A whole step's batch made by :func:`~arrow_outputs.to_record_batch`. The first
+            batch fixes the run's schema; later batches must have it (build them with
+            ``schema=publisher.schema``).
+        custom_metadata
+            The batch's step custom metadata; default
+            :func:`~arrow_outputs.step_custom_metadata` of the batch.
+
+        The payload is copied once, into the slot file (the consumers never copy it).
+        """
+        if self._closed:
+            raise SharingError("publisher", "an open publisher", "publish after close()")
+        if not isinstance(batch, pa.RecordBatch):
+            raise FieldTypeError("batch", "a pyarrow.RecordBatch", type(batch).__name__)
+        custom = step_custom_metadata(batch) if custom_metadata is None else custom_metadata
+        if not isinstance(custom, pa.KeyValueMetadata):
+            # Built here once: pyarrow's own conversion of a dict in write_batch costs
+            # several times more (about 20 us against 2 us per step, measured).
+            custom = pa.KeyValueMetadata(custom)
+        if self._schema is None:
+            self._start_run(batch)
+        elif not batch.schema.equals(self._schema, check_metadata=False):
+            raise SchemaMismatchError(
+                "batch.schema",
+                "the run's schema (fixed by the first published batch; build later batches "
+                "with schema=publisher.schema)",
+                f"a different schema: {batch.schema.names}",
+            )
+        seq = self._head + 1
+        slot = (seq - 1) % self._slots
+        in_place = self._acquire(slot, seq)
+        ent = self._slot_tab[slot]
+        ent[S_SEQ] = 0  # the slot is being written: no subscriber may take it now
+        f = self._files[slot]
+        if f is None or not in_place:
+            f = self._new_file(slot, self._guess(batch, custom), replacing=f is not None)
+        try:
+            size = self._write(f, batch, custom)
+        except OSError:  # out of the file's bounds: a larger step than the file has held
+            f = self._new_file(slot, 2 * max(f.capacity, self._guess(batch, custom)))
+            size = self._write(f, batch, custom)
+        ent[S_GEN] = f.gen
+        ent[S_LEN] = size
+        ent[S_SEQ] = seq  # stores become visible in order (x86-64): length before seq ...
+        self._ctl[H_HEAD] = seq  # ... and the slot before the head
+        self._head = seq
+        self.stats.published += 1
+        self.stats.payload_bytes += size
+        return seq
+
+    def _guess(self, batch: pa.RecordBatch, custom: Mapping[bytes, bytes]) -> int:
+        """About the size of the step's stream (a larger one is written again)."""
+        meta = sum(len(k) + len(v) for k, v in custom.items())
+        return 2 * self._schema_len + batch.nbytes + 64 * batch.num_columns + meta + 4096
+
+    def _new_file(self, slot: int, need: int, *, replacing: bool = False) -> _SlotFile:
+        """A new generation of the slot's file: its first use, a larger step, or old pages
+        that a subscriber still maps (they stay valid for it after the unlink)."""
+        cur = self._files[slot]
+        gen = 1 if cur is None else cur.gen + 1
+        capacity = max(_MIN_SLOT_BYTES, need, 0 if cur is None else cur.capacity)
+        capacity = -(-capacity // mmap.PAGESIZE) * mmap.PAGESIZE
+        f = _SlotFile(self.path / _slot_name(slot, gen), gen, capacity)
+        if cur is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path / _slot_name(slot, cur.gen))
+            if replacing:
+                self.stats.replaced_slots += 1
+        self._files[slot] = f
+        return f
+
+    def _acquire(self, slot: int, seq: int) -> bool:
+        """Make ``slot`` free for ``seq``: every attached subscriber has read the step in
+        it. Returns whether the slot's file may be rewritten in place (no one holds it)."""
+        old = seq - self._slots
+        if old <= 0:
+            return True
+        rows = self._rows
+        start = 0.0
+        while True:
+            lagging = [r for r in rows if r[R_STATE] == ACTIVE and r[R_POSITION] < old]
+            if not lagging:
+                break
+            now = time.monotonic()
+            if start == 0.0:
+                start = now
+                self.stats.lag_waits += 1
+            for r in lagging:
+                if self._check_pids and not _pid_alive(r[R_PID]):
+                    self._evict(r, seq)
+            if now - start >= self._lag_timeout_s:
+                lagging = [r for r in rows if r[R_STATE] == ACTIVE and r[R_POSITION] < old]
+                if not lagging:
+                    break
+                self.stats.lag_wait_s += now - start
+                if self._on_lag == "raise":
+                    pids = [r[R_PID] for r in lagging]
+                    raise StepTimeoutError(
+                        f"subscribers {pids}",
+                        f"to read step {old} within lag_timeout_s={self._lag_timeout_s} "
+                        f"(the ring has {self._slots} slots)",
+                        "no progress; nothing was published",
+                    )
+                for r in lagging:
+                    self._evict(r, seq)
+                break
+            os.sched_yield() if now - start < 0.001 else time.sleep(0.0002)
+        if start:
+            self.stats.lag_wait_s += time.monotonic() - start
+        # Held: any row that still marks this slot (an evicted subscriber's too, while its
+        # process lives).
+        mark = ROW_FIXED + slot
+        in_place = True
+        for r in rows:
+            if r[mark] and r[R_STATE] != FREE:
+                if self._check_pids and not _pid_alive(r[R_PID]):
+                    # Its mappings died with it: the marks mean nothing any more.
+                    if r[R_STATE] == ACTIVE:
+                        self._evict(r, seq)
+                    r[R_STATE] = FREE
+                    continue
+                in_place = False
+        return in_place
+
+    def _evict(self, r: memoryview, seq: int) -> None:
+        pid = r[R_PID]
+        r[R_EVICTED_AT] = seq
+        if _pid_alive(pid) or not self._check_pids:
+            r[R_STATE] = EVICTED
+        else:
+            r[R_STATE] = FREE  # its mappings died with it
+        self.stats.evicted += 1
+        self.stats.evicted_pids.append(pid)
+        self._ctl[H_EVICTED] = self.stats.evicted
+
+    # -- closing
+
+    def close(self, *, unlink: bool = True, drain_timeout_s: float | None = None) -> None:
+        """End the run: subscribers read the steps still in the ring, then
+        :meth:`StepSubscriber.next` returns ``None``.
+
+        Parameters
+        ----------
+        unlink
+            Remove the run's files (default). First waits until every attached subscriber
+            has read the last step (at most ``drain_timeout_s``; subscribers whose process
+            is gone are not waited for), so that none misses a step whose file was removed.
+            Batches that subscribers hold stay valid (their pages live while mapped).
+        drain_timeout_s
+            The longest to wait for that; default 10 s (or ``lag_timeout_s`` if longer).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._ctl[H_CLOSED] = 1
+        if unlink and self._head:
+            wait = max(10.0, self._lag_timeout_s) if drain_timeout_s is None else drain_timeout_s
+            deadline = time.monotonic() + wait
+            head = self._head
+            while time.monotonic() < deadline and any(
+                r[R_STATE] == ACTIVE
+                and r[R_POSITION] < head
+                and (not self._check_pids or _pid_alive(r[R_PID]))
+                for r in self._rows
+            ):
+                time.sleep(0.0005)
+        self._files = [None] * self._slots  # unmapped when nothing refers to them
+        if unlink:
+            remove_run(self.path)
+
+    def __enter__(self) -> StepPublisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            if not self._closed:
+                self.close(drain_timeout_s=0)
+
+
+def remove_run(path: str | os.PathLike[str]) -> None:
+    """Remove a run directory made by :class:`StepPublisher` (after a crash, say): only the
+    file names the publisher makes are removed, then the directory."""
+    p = Path(path)
+    if not p.is_dir():
+        return
+    for child in p.iterdir():
+        n = child.name
+        if n in (CONTROL_NAME, SCHEMA_NAME, SCHEMA_NAME + ".tmp", LOCK_NAME) or (
+            n.startswith("slot-") and child.is_file()
+        ):
+            with contextlib.suppress(FileNotFoundError):
+                child.unlink()
+    with contextlib.suppress(OSError):
+        p.rmdir()
+
+
+# ----------------------------------------------------------------------------- subscriber
+
+
+_EMPTY = pa.py_buffer(b"")
+
+
+class _Source:
+    """File-like source for pyarrow's stream reader: serves the bytes of one slot as slices
+    of a ``pyarrow.Buffer`` over the mapping, which pyarrow wraps without copying."""
+
+    def __init__(self) -> None:
+        self.buf: pa.Buffer = _EMPTY
+        self.pos = 0
+        self.closed = False
+
+    def feed(self, buf: pa.Buffer) -> None:
+        self.buf = buf
+        self.pos = 0
+
+    def read(self, n: int = -1) -> pa.Buffer:
+        size = self.buf.size
+        end = size if n is None or n < 0 else min(size, self.pos + n)
+        out = self.buf.slice(self.pos, end - self.pos)
+        self.pos = end
+        return out
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class _Mapping:
+    """One slot file generation, mapped read-only, alive while any lease uses it."""
+
+    __slots__ = ("__weakref__", "address", "gen", "map", "size")
+
+    def __init__(self, path: Path, gen: int) -> None:
+        self.map, self.size = _map_file(path, write=False)
+        self.gen = gen
+        self.address = _address(self.map)
+
+
+class _Lease:
+    """Kept alive by every Arrow buffer over one step's bytes; on its end, the slot is
+    marked free in the subscriber's row (if the row is still this subscriber's)."""
+
+    __slots__ = ("mapping", "row", "seq", "slot", "token")
+
+    def __init__(self, row: memoryview, token: int, slot: int, seq: int, mapping: Any) -> None:
+        self.row = row
+        self.token = token
+        self.slot = slot
+        self.seq = seq
+        self.mapping = mapping
+
+    def __del__(self) -> None:
+        row = self.row
+        with contextlib.suppress(Exception):
+            if row[R_TOKEN] == self.token and row[ROW_FIXED + self.slot] == self.seq:
+                row[ROW_FIXED + self.slot] = 0
+
+
+class SharedStep:
+    """One step as a subscriber has it: the record batch (its buffers in shared memory)
+    and its IPC custom metadata.
+
+    Attributes
+    ----------
+    seq
+        The step's sequence number in the run (1, 2, ...).
+    batch
+        The record batch, validated unless the subscriber was made with ``validate=False``.
+    custom_metadata
+        The batch's IPC custom metadata (its step JSON).
+    """
+
+    __slots__ = ("batch", "custom_metadata", "seq")
+
+    def __init__(self, seq: int, batch: pa.RecordBatch, custom_metadata: Any) -> None:
+        self.seq = seq
+        self.batch = batch
+        self.custom_metadata = custom_metadata
+
+    def output(self, **kwargs: Any) -> Any:
+        """The step as a ``ModelRunnerOutput`` (:func:`~arrow_outputs.from_record_batch`;
+        arrays are read-only views of the shared buffers). Keyword arguments go to
+        ``from_record_batch``. Its default ``validate=True`` is kept even for a batch the
+        subscriber validated: ``from_record_batch`` is faster with it than without (its
+        ``validate=False`` path makes slower checks of its own; see benchmarks/README.md)."""
+        return from_record_batch(self.batch, custom_metadata=self.custom_metadata, **kwargs)
+
+    def step_metadata(self) -> dict[str, Any]:
+        """The step JSON, checked (:func:`~arrow_outputs.step_metadata`)."""
+        return step_metadata(self.batch, self.custom_metadata)
+
+    def __repr__(self) -> str:
+        return f"SharedStep(seq={self.seq}, rows={self.batch.num_rows})"
+
+
+class StepSubscriber:
+    """The consumer side: reads the steps a :class:`StepPublisher` publishes, zero-copy.
+
+    A subscriber attaches at the next step to be published and then sees every step, in
+    order, until the publisher closes the run (:meth:`next` returns ``None``). It is not
+    thread-safe: use one per thread.
+
+    Parameters
+    ----------
+    path
+        The publisher's :attr:`StepPublisher.path`.
+    validate
+        Fully validate every batch (``batch.validate(full=True)``) before returning it.
+        ``False`` trusts the producer's bytes: only for producers you control.
+    copy
+        Copy each step's bytes into private memory before reading it (a consumer that
+        does not trust the producer's process not to scribble on shared pages after
+        validation). Default ``False``: zero-copy.
+    spin_s
+        How long :meth:`next` spins (``sched_yield``) for a new step before it sleeps in
+        short steps (50 us growing to 1 ms).
+    attach_timeout_s
+        How long to wait for the publisher's control file to appear.
+
+    Raises
+    ------
+    SharingError
+        No free row for one more subscriber (the publisher's ``max_consumers``).
+    CorruptSegmentError
+        The control file is not a run's.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        validate: bool = True,
+        copy: bool = False,
+        spin_s: float = 0.005,
+        attach_timeout_s: float = 5.0,
+    ) -> None:
+        self.path = Path(path)
+        self._validate = validate
+        self._copy = copy
+        self._spin_s = spin_s
+        self._closed = True
+        ctl_path = self.path / CONTROL_NAME
+        deadline = time.monotonic() + attach_timeout_s
+        while True:
+            try:
+                self._ctl_map, size = _map_file(ctl_path, write=True)
+                ctl = memoryview(self._ctl_map)[: size - size % 8].cast("q")
+                if size >= HEADER_WORDS * 8 and ctl[H_MAGIC] == MAGIC:
+                    break
+            except FileNotFoundError:
+                pass
+            if time.monotonic() > deadline:
+                raise StepTimeoutError(
+                    str(ctl_path), f"a run's control file within {attach_timeout_s} s", "none"
+                )
+            time.sleep(0.002)
+        if ctl[H_VERSION] != LAYOUT_VERSION:
+            raise CorruptSegmentError(
+                f"{ctl_path}[version]", f"layout version {LAYOUT_VERSION}", str(ctl[H_VERSION])
+            )
+        slots, consumers = int(ctl[H_SLOTS]), int(ctl[H_CONSUMERS])
+        if not (2 <= slots <= MAX_SLOTS and 1 <= consumers <= MAX_CONSUMERS):
+            raise CorruptSegmentError(
+                f"{ctl_path}[slots, consumers]",
+                f"2..{MAX_SLOTS} and 1..{MAX_CONSUMERS}",
+                f"{slots}, {consumers}",
+            )
+        if size != _control_words(slots, consumers) * 8:
+            raise CorruptSegmentError(
+                str(ctl_path),
+                f"{_control_words(slots, consumers) * 8} bytes for {slots} slots and "
+                f"{consumers} consumers",
+                f"{size} bytes",
+            )
+        ctl.release()
+        self._ctl, self._slot_tab, rows = _views(self._ctl_map, slots, consumers)
+        self._slots = slots
+        self._producer_pid = int(self._ctl[H_PID])
+        self._token = secrets.randbits(62) + 1
+        self._row_index = self._register(rows)
+        self._row = rows[self._row_index]
+        self._closed = False
+        self._maps: list[_Mapping | None] = [None] * slots
+        self._schema: pa.Schema | None = None
+        self._schema_bytes = b""
+        self._reader: Any = None
+        self._src = _Source()
+
+    def _register(self, rows: list[memoryview]) -> int:
+        import fcntl  # POSIX only: imported here so that the package imports anywhere
+
+        lock_fd = os.open(self.path / LOCK_NAME, os.O_RDWR | os.O_NOFOLLOW)
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX)
+            for i, r in enumerate(rows):
+                state = int(r[R_STATE])
+                reusable = (
+                    state == FREE
+                    or not _pid_alive(int(r[R_PID]))
+                    or (state in (EVICTED, DETACHED) and not any(r[ROW_FIXED:]))
+                )
+                if reusable:
+                    r[R_STATE] = FREE
+                    for j in range(ROW_FIXED, len(r)):
+                        r[j] = 0
+                    r[R_PID] = os.getpid()
+                    r[R_TOKEN] = self._token
+                    r[R_EVICTED_AT] = 0
+                    r[R_SEEN_NS] = time.monotonic_ns()
+                    # Attach at the next step: every step after the current head is ours.
+                    r[R_POSITION] = self._ctl[H_HEAD]
+                    r[R_STATE] = ACTIVE
+                    return i
+        finally:
+            os.close(lock_fd)  # releases the lock
+        raise SharingError(
+            "subscribers",
+            f"a free row of the publisher's {len(rows)} (max_consumers)",
+            "all taken by live subscribers",
+        )
+
+    # -- reading
+
+    @property
+    def position(self) -> int:
+        """Sequence number of the last step this subscriber has read."""
+        return int(self._row[R_POSITION])
+
+    def _check_mine(self) -> None:
+        row = self._row
+        if row[R_TOKEN] != self._token or row[R_STATE] != ACTIVE:
+            at = int(row[R_EVICTED_AT]) if row[R_TOKEN] == self._token else 0
+            raise SubscriberEvictedError(
+                f"subscriber {os.getpid()} at {self.path}",
+                f"to keep up within the publisher's {self._slots}-slot ring and lag timeout",
+                f"evicted by the publisher (at step {at}, after reading step "
+                f"{int(row[R_POSITION])}); make a new StepSubscriber to attach again",
+            )
+
+    def _open_schema(self) -> None:
+        n = int(self._ctl[H_SCHEMA_LEN])
+        path = self.path / SCHEMA_NAME
+        mapped, size = _map_file(path, write=False)
+        with mapped:
+            if not 0 < n <= size:
+                raise CorruptSegmentError(
+                    str(path), f"at least {n} bytes (the control file says)", f"{size} bytes"
+                )
+            data = mapped[:n]
+        try:
+            schema = pa.ipc.read_schema(pa.py_buffer(data))
+        except (pa.ArrowInvalid, pa.ArrowTypeError, OSError) as e:
+            raise CorruptSegmentError(str(path), "an Arrow IPC schema message", str(e)) from e
+        check_format(schema)
+        self._schema = schema
+        self._schema_bytes = data
+        self._new_reader()
+
+    def _new_reader(self) -> None:
+        src = self._src
+        src.feed(pa.py_buffer(self._schema_bytes))
+        try:
+            self._reader = pa.ipc.open_stream(pa.PythonFile(src, mode="r"))
+        except (pa.ArrowInvalid, OSError) as e:
+            raise CorruptSegmentError(
+                str(self.path / SCHEMA_NAME), "an Arrow IPC schema message", str(e)
+            ) from e
+
+    def _mapping(self, slot: int, gen: int, length: int) -> _Mapping:
+        m = self._maps[slot]
+        if m is None or m.gen != gen:
+            if not 1 <= gen < 1 << 40:
+                raise CorruptSegmentError(f"control.slot[{slot}].gen", "1..2**40", str(gen))
+            try:
+                m = _Mapping(self.path / _slot_name(slot, gen), gen)
+            except FileNotFoundError as e:
+                # Replaced since we read the slot table: the step is gone for us.
+                self._check_mine()
+                if self._ctl[H_CLOSED]:
+                    raise SharingError(
+                        f"step {self.position + 1}",
+                        "its slot file",
+                        "a run closed and removed before this subscriber read it "
+                        "(the publisher's drain_timeout_s ran out)",
+                    ) from e
+                raise CorruptSegmentError(
+                    f"slot {slot}", f"generation {gen} to exist", "a missing file"
+                ) from e
+            self._maps[slot] = m
+        if not 0 < length <= m.size:
+            raise CorruptSegmentError(
+                f"control.slot[{slot}].length", f"1..{m.size} (the slot file's size)", str(length)
+            )
+        return m
+
+    def _read(self, seq: int) -> SharedStep:
+        slot = (seq - 1) % self._slots
+        ent = self._slot_tab[slot]
+        row = self._row
+        got = int(ent[S_SEQ])
+        if got != seq:
+            self._check_mine()
+            raise CorruptSegmentError(f"control.slot[{slot}].seq", str(seq), str(got))
+        gen, length = int(ent[S_GEN]), int(ent[S_LEN])
+        mapping = self._mapping(slot, gen, length)
+        row[ROW_FIXED + slot] = seq  # held: before the position moves (see _acquire)
+        self._check_mine()
+        if self._schema is None:
+            self._open_schema()
+        # The slot holds a whole IPC stream; its schema message is the run's (read once
+        # from schema.arrows), so the reader is fed the batch message alone.
+        start, end = len(self._schema_bytes), length - 8
+        if not start < end:
+            raise CorruptSegmentError(
+                f"control.slot[{slot}].length",
+                f"more than {start + 8} bytes (schema, batch, end of stream)",
+                str(length),
+            )
+        if self._copy:
+            data = pa.py_buffer(bytes(memoryview(mapping.map)[start:end]))
+            row[ROW_FIXED + slot] = 0
+        else:
+            lease = _Lease(row, self._token, slot, seq, mapping)
+            data = pa.foreign_buffer(mapping.address + start, end - start, base=lease)
+            del lease
+        src = self._src
+        src.feed(data)
+        try:
+            batch, custom = self._reader.read_next_batch_with_custom_metadata()
+            if src.pos != data.size:
+                row[R_POSITION] = seq
+                raise CorruptSegmentError(
+                    f"slot {slot} (step {seq})",
+                    f"one record-batch message of {data.size} bytes",
+                    f"a message of {src.pos} bytes",
+                )
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OSError) as e:
+            self._new_reader()
+            row[R_POSITION] = seq  # the step is refused, not retried: the next read moves on
+            raise CorruptSegmentError(
+                f"slot {slot} (step {seq})", "one Arrow IPC record-batch message", str(e)
+            ) from e
+        except StopIteration as e:
+            self._new_reader()
+            row[R_POSITION] = seq
+            raise CorruptSegmentError(
+                f"slot {slot} (step {seq})", "one Arrow IPC record-batch message", "end of stream"
+            ) from e
+        finally:
+            src.feed(_EMPTY)
+        if int(ent[S_SEQ]) != seq or int(ent[S_GEN]) != gen:
+            self._check_mine()
+            raise CorruptSegmentError(f"control.slot[{slot}]", f"step {seq}", "rewritten")
+        row[R_POSITION] = seq
+        row[R_SEEN_NS] = time.monotonic_ns()
+        if self._validate:
+            try:
+                batch.validate(full=True)
+            except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+                raise SchemaMismatchError(
+                    f"step {seq}", "a record batch that passes full validation", str(e)
+                ) from e
+        return SharedStep(seq, batch, custom)
+
+    def poll(self) -> SharedStep | None:
+        """The next step if it is published, else ``None`` (no waiting)."""
+        self._require_open()
+        self._check_mine()
+        want = int(self._row[R_POSITION]) + 1
+        if int(self._ctl[H_HEAD]) >= want:
+            return self._read(want)
+        return None
+
+    def next(self, timeout: float | None = None) -> SharedStep | None:
+        """Wait for the next step and return it; ``None`` once the publisher has closed the
+        run and every step before its close has been read.
+
+        Raises
+        ------
+        StepTimeoutError
+            No step within ``timeout`` seconds (``None``: wait as long as the publisher
+            lives).
+        ProducerGoneError
+            The publisher's process ended without closing the run (after the steps it
+            published have been read).
+        SubscriberEvictedError
+            The publisher dropped this subscriber.
+        """
+        self._require_open()
+        ctl = self._ctl
+        want = int(self._row[R_POSITION]) + 1
+        start = time.monotonic()
+        nap = 50e-6
+        while True:
+            if int(ctl[H_HEAD]) >= want:
+                return self._read(want)
+            self._check_mine()
+            if ctl[H_CLOSED]:
+                if int(ctl[H_HEAD]) >= want:
+                    continue
+                return None
+            now = time.monotonic()
+            if timeout is not None and now - start > timeout:
+                raise StepTimeoutError(
+                    f"step {want}", f"to be published within {timeout} s", "nothing"
+                )
+            if now - start < self._spin_s:
+                os.sched_yield()
+                continue
+            if not _pid_alive(self._producer_pid) and int(ctl[H_HEAD]) < want:
+                raise ProducerGoneError(
+                    f"publisher {self._producer_pid} at {self.path}",
+                    "a live process or a closed run",
+                    f"a process that ended after step {int(ctl[H_HEAD])} without close()",
+                )
+            time.sleep(nap)
+            nap = min(nap * 2, 0.001)
+
+    def __iter__(self) -> Iterator[SharedStep]:
+        while True:
+            step = self.next()
+            if step is None:
+                return
+            yield step
+
+    def _require_open(self) -> None:
+        if self._closed:
+            raise SharingError("subscriber", "an open subscriber", "a read after close()")
+
+    def close(self) -> None:
+        """Detach: the row is freed for another subscriber. Batches already read stay
+        valid (their mappings live while anything uses them)."""
+        if self._closed:
+            return
+        self._closed = True
+        row = self._row
+        if row[R_TOKEN] == self._token:
+            if any(row[ROW_FIXED:]):
+                # Batches of this subscriber are still alive here: their slots stay marked
+                # (the leases clear them) so the publisher never rewrites them in place.
+                row[R_STATE] = DETACHED
+            else:
+                row[R_TOKEN] = 0
+                row[R_STATE] = FREE
+        self._maps = [None] * self._slots
+        self._reader = None
+
+    def __enter__(self) -> StepSubscriber:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()

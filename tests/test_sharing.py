@@ -1,0 +1,498 @@
+"""Cross-process sharing (arrow_outputs.sharing): zero-copy reads, holders never see a batch
+change, slow and dead consumers bounded, a dead producer noticed, hostile bytes refused.
+
+The multi-process tests start children with the "spawn" context; the children report back
+through JSON files (never pickle), and every run directory is removed at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from arrow_outputs import (
+    FieldTypeError,
+    LogprobsLists,
+    ModelRunnerOutput,
+    SchemaMismatchError,
+    assert_outputs_equal,
+    run_schema,
+    to_record_batch,
+)
+from arrow_outputs.sharing import (
+    CONTROL_NAME,
+    CorruptSegmentError,
+    ProducerGoneError,
+    SharingError,
+    StepPublisher,
+    StepSubscriber,
+    StepTimeoutError,
+    SubscriberEvictedError,
+    remove_run,
+)
+
+SPAWN = multiprocessing.get_context("spawn")
+CHILD_TIMEOUT = 60.0
+
+
+def _step(seq: int) -> ModelRunnerOutput:
+    """A deterministic decode step for sequence number ``seq``: 1 to 5 requests, 4
+    logprobs each (numpy only, so spawned children start fast)."""
+    rng = np.random.default_rng(seq)
+    n = 1 + seq % 5
+    req_ids = [f"s{seq}-r{i}" for i in range(n)]
+    ids = rng.integers(0, 50_000, size=(n, 5), dtype=np.int64)
+    lps = -rng.random((n, 5), dtype=np.float32)
+    ranks = rng.integers(1, 9, size=n, dtype=np.int64)
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        sampled_token_ids=[[int(ids[i, 0])] for i in range(n)],
+        logprobs=LogprobsLists(ids, lps, ranks, None),
+    )
+
+
+def _schema() -> pa.Schema:
+    return run_schema(to_record_batch(_step(1), step=1))
+
+
+def _batch(seq: int) -> pa.RecordBatch:
+    return to_record_batch(_step(seq), step=seq, schema=_schema())
+
+
+def _buffers(batch: pa.RecordBatch) -> list[pa.Buffer]:
+    out: list[pa.Buffer] = []
+
+    def walk(arr: pa.Array) -> None:
+        out.extend(b for b in arr.buffers() if b is not None and b.size)
+
+    for col in batch.columns:
+        walk(col)
+    return out
+
+
+def _inside(batch: pa.RecordBatch, sub: StepSubscriber, seq: int) -> bool:
+    """Every buffer of the batch lies inside the subscriber's mapping of its slot file."""
+    m = sub._maps[(seq - 1) % sub._slots]
+    assert m is not None
+    lo, hi = m.address, m.address + m.size
+    bufs = _buffers(batch)
+    return bool(bufs) and all(lo <= b.address and b.address + b.size <= hi for b in bufs)
+
+
+def _snapshot(batch: pa.RecordBatch) -> list[bytes]:
+    return [b.to_pybytes() for b in _buffers(batch)]
+
+
+# ----------------------------------------------------------------------------- children
+
+
+def _consumer(path: str, out: str, steps: int, hold_first: bool) -> None:
+    """Read ``steps`` steps; check each against ``_step(seq)`` and its zero-copy placement;
+    optionally hold the first step's batch for the whole run and check it never changed."""
+    report: dict[str, Any] = {"seqs": [], "zero_copy": True, "equal": True, "held_same": None}
+    try:
+        with StepSubscriber(path, spin_s=0.0005) as sub:
+            held = None
+            for _ in range(steps):
+                step = sub.next(timeout=CHILD_TIMEOUT)
+                assert step is not None
+                report["seqs"].append(step.seq)
+                report["zero_copy"] &= _inside(step.batch, sub, step.seq)
+                assert_outputs_equal(step.output(), _step(step.seq))
+                if hold_first and held is None:
+                    held = (step, _snapshot(step.batch), [b.address for b in _buffers(step.batch)])
+                time.sleep(0.002)  # slower than the producer: the ring fills up
+            if held is not None:
+                step, before, addrs = held
+                report["held_same"] = (
+                    _snapshot(step.batch) == before
+                    and [b.address for b in _buffers(step.batch)] == addrs
+                )
+                assert_outputs_equal(step.output(), _step(step.seq))
+            report["end"] = sub.next(timeout=CHILD_TIMEOUT) is None
+    except Exception as e:
+        report["error"] = f"{type(e).__name__}: {e}"
+    Path(out).write_text(json.dumps(report))
+
+
+def _idle_consumer(path: str, ready: str) -> None:
+    """Attach, say so, then never read (the parent kills it)."""
+    sub = StepSubscriber(path)
+    Path(ready).write_text(str(os.getpid()))
+    time.sleep(600)
+    sub.close()
+
+
+def _crashing_producer(path: str, steps: int) -> None:
+    """Publish ``steps`` steps to a waiting subscriber, then die without close()."""
+    pub = StepPublisher(path, slots=4)
+    pub.wait_for_subscribers(1, timeout=CHILD_TIMEOUT)
+    for seq in range(1, steps + 1):
+        pub.publish(_batch(seq))
+    os._exit(0)
+
+
+def _join(proc: Any) -> None:
+    proc.join(CHILD_TIMEOUT)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+        pytest.fail("child process did not finish")
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Any:
+    path = tmp_path / "run"
+    yield path
+    remove_run(path)
+
+
+# ----------------------------------------------------------------------------- in process
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["_everything", "_speculative", "_pooling", "_empty_with_kv", "_masks_csr_cu_none"],
+)
+def test_subscriber_roundtrip_zero_copy(case: str, run_dir: Path) -> None:
+    import test_batch  # torch-using builders: imported here, not in spawned children
+
+    out = getattr(test_batch, case)()
+    batch = to_record_batch(out, step=3)
+    with StepPublisher(run_dir, slots=2) as pub, StepSubscriber(run_dir) as sub:
+        assert pub.publish(batch) == 1
+        step = sub.next(timeout=5)
+        assert step is not None
+        assert step.seq == 1
+        assert step.batch.equals(batch)
+        assert step.step_metadata()["step"] == 3
+        assert_outputs_equal(step.output(), out)
+        if batch.num_rows:
+            assert _inside(step.batch, sub, 1)
+
+
+def test_subscriber_sees_every_step_in_order_then_end(run_dir: Path) -> None:
+    with StepPublisher(run_dir, slots=3) as pub, StepSubscriber(run_dir) as sub:
+        for seq in range(1, 8):
+            pub.publish(_batch(seq))
+            step = sub.next(timeout=5)
+            assert step is not None
+            assert step.seq == seq
+            assert_outputs_equal(step.output(), _step(seq))
+        assert sub.poll() is None
+        pub.close()
+        assert sub.next(timeout=5) is None  # closed and drained
+    assert not run_dir.exists()  # close() removed the run's files
+
+
+def test_subscriber_drains_steps_published_before_close(run_dir: Path) -> None:
+    pub = StepPublisher(run_dir, slots=4)
+    sub = StepSubscriber(run_dir)
+    for seq in range(1, 4):
+        pub.publish(_batch(seq))
+    pub.close(unlink=False)
+    assert [s.seq for s in sub] == [1, 2, 3]
+    sub.close()
+
+
+def test_held_batch_survives_slot_reuse_and_close(run_dir: Path) -> None:
+    pub = StepPublisher(run_dir, slots=2)
+    sub = StepSubscriber(run_dir)
+    pub.publish(_batch(1))
+    held = sub.next(timeout=5)
+    assert held is not None
+    before = _snapshot(held.batch)
+    addrs = [b.address for b in _buffers(held.batch)]
+    for seq in range(2, 9):  # slot 0 comes round three more times
+        pub.publish(_batch(seq))
+        assert sub.next(timeout=5) is not None
+    assert pub.stats.replaced_slots >= 1  # the held slot was replaced, not rewritten
+    pub.close()  # unlinks every file; the held mapping stays
+    assert _snapshot(held.batch) == before
+    assert [b.address for b in _buffers(held.batch)] == addrs
+    assert_outputs_equal(held.output(), _step(1))
+    sub.close()
+
+
+def test_released_slot_is_rewritten_in_place(run_dir: Path) -> None:
+    with StepPublisher(run_dir, slots=2) as pub, StepSubscriber(run_dir) as sub:
+        for seq in range(1, 9):
+            pub.publish(_batch(seq))
+            step = sub.next(timeout=5)
+            assert step is not None
+            del step  # nothing held: slot pages are reused
+        assert pub.stats.replaced_slots == 0
+        # One file per slot: the generation never moved past the first (or a growth).
+        slots = sorted(p.name for p in run_dir.glob("slot-*"))
+        assert len(slots) == 2
+
+
+def test_slow_subscriber_is_evicted_after_the_bound(run_dir: Path) -> None:
+    pub = StepPublisher(run_dir, slots=2, lag_timeout_s=0.05)
+    slow = StepSubscriber(run_dir)
+    with StepSubscriber(run_dir) as fast:
+        for seq in range(1, 5):
+            pub.publish(_batch(seq))  # never blocks for longer than the bound
+            assert fast.next(timeout=5) is not None
+    assert pub.stats.evicted == 1
+    assert pub.stats.evicted_pids == [os.getpid()]
+    with pytest.raises(SubscriberEvictedError, match="evicted by the publisher"):
+        slow.next(timeout=1)
+    slow.close()
+    with StepSubscriber(run_dir) as again:  # a new subscriber attaches at the next step
+        pub.publish(_batch(5))
+        step = again.next(timeout=5)
+        assert step is not None
+        assert step.seq == 5
+    pub.close()
+
+
+def test_on_lag_raise_publishes_nothing(run_dir: Path) -> None:
+    pub = StepPublisher(run_dir, slots=2, lag_timeout_s=0.02, on_lag="raise")
+    sub = StepSubscriber(run_dir)
+    pub.publish(_batch(1))
+    pub.publish(_batch(2))
+    with pytest.raises(StepTimeoutError, match="to read step 1"):
+        pub.publish(_batch(3))
+    assert pub.head == 2
+    assert [sub.next(timeout=5).seq for _ in range(2)] == [1, 2]  # type: ignore[union-attr]
+    assert pub.publish(_batch(3)) == 3  # room again
+    assert sub.next(timeout=5).seq == 3  # type: ignore[union-attr]
+    sub.close()
+    pub.close()
+
+
+def test_closed_subscriber_with_live_batch_keeps_its_slot(run_dir: Path) -> None:
+    pub = StepPublisher(run_dir, slots=2)
+    sub = StepSubscriber(run_dir)
+    pub.publish(_batch(1))
+    held = sub.next(timeout=5)
+    assert held is not None
+    before = _snapshot(held.batch)
+    sub.close()  # detached, but the batch lives on in this process
+    for seq in range(2, 6):
+        pub.publish(_batch(seq))
+    assert _snapshot(held.batch) == before
+    pub.close()
+
+
+def test_copy_mode_reads_private_memory(run_dir: Path) -> None:
+    with StepPublisher(run_dir) as pub, StepSubscriber(run_dir, copy=True) as sub:
+        pub.publish(_batch(1))
+        step = sub.next(timeout=5)
+        assert step is not None
+        assert not _inside(step.batch, sub, 1)
+        assert_outputs_equal(step.output(), _step(1))
+
+
+def test_default_path_is_on_dev_shm_and_removed() -> None:
+    pub = StepPublisher()
+    path = pub.path
+    if Path("/dev/shm").is_dir():
+        assert path.parent == Path("/dev/shm")
+    pub.publish(_batch(1))
+    assert (path / CONTROL_NAME).exists()
+    pub.close()
+    assert not path.exists()
+
+
+def test_publisher_refuses_existing_dir_and_bad_settings(run_dir: Path) -> None:
+    run_dir.mkdir()
+    with pytest.raises(FileExistsError):
+        StepPublisher(run_dir)
+    run_dir.rmdir()
+    with pytest.raises(FieldTypeError, match="slots: expected an int within 2"):
+        StepPublisher(run_dir, slots=1)
+    with pytest.raises(FieldTypeError, match="on_lag: expected one of"):
+        StepPublisher(run_dir, on_lag="block")
+
+
+def test_publish_refuses_another_schema(run_dir: Path) -> None:
+    with StepPublisher(run_dir) as pub:
+        pub.publish(_batch(1))
+        out = _step(2)
+        lp = out.logprobs
+        out.logprobs = LogprobsLists(lp.logprob_token_ids.astype(np.int32), *lp[1:])
+        other = to_record_batch(out, step=2)  # int32 logprob ids: another schema
+        with pytest.raises(SchemaMismatchError, match="the run's schema"):
+            pub.publish(other)
+        assert pub.head == 1
+
+
+def test_max_consumers_full(run_dir: Path) -> None:
+    with (
+        StepPublisher(run_dir, max_consumers=1),
+        StepSubscriber(run_dir),
+        pytest.raises(SharingError, match="a free row of the publisher's 1"),
+    ):
+        StepSubscriber(run_dir)
+
+
+def test_subscriber_timeout(run_dir: Path) -> None:
+    with (
+        StepPublisher(run_dir),
+        StepSubscriber(run_dir, spin_s=0.001) as sub,
+        pytest.raises(StepTimeoutError, match="step 1: expected to be published"),
+    ):
+        sub.next(timeout=0.05)
+
+
+# ----------------------------------------------------------------------------- hostile bytes
+
+
+def test_corrupt_slot_length_is_refused(run_dir: Path) -> None:
+    with StepPublisher(run_dir) as pub, StepSubscriber(run_dir) as sub:
+        pub.publish(_batch(1))
+        pub._slot_tab[0][2] = 1 << 40  # S_LEN beyond the file
+        with pytest.raises(CorruptSegmentError, match=r"control.slot\[0\].length"):
+            sub.next(timeout=5)
+
+
+def test_corrupt_slot_generation_is_refused(run_dir: Path) -> None:
+    with StepPublisher(run_dir) as pub, StepSubscriber(run_dir) as sub:
+        pub.publish(_batch(1))
+        pub._slot_tab[0][1] = 77  # S_GEN of a file that does not exist
+        with pytest.raises(CorruptSegmentError, match="generation 77"):
+            sub.next(timeout=5)
+
+
+def test_garbage_message_is_refused_and_reader_recovers(run_dir: Path) -> None:
+    with StepPublisher(run_dir, slots=2) as pub, StepSubscriber(run_dir) as sub:
+        pub.publish(_batch(1))
+        f = pub._files[0]
+        assert f is not None
+        start = pub._schema_len
+        f.map[start : start + 64] = b"\xa5" * 64  # the batch message's header
+        with pytest.raises(CorruptSegmentError, match=r"slot 0 \(step 1\)"):
+            sub.next(timeout=5)
+        assert sub.position == 1  # the refused step is skipped, not retried
+        pub.publish(_batch(2))
+        step = sub.next(timeout=5)  # a fresh reader: later steps read fine
+        assert step is not None
+        assert step.seq == 2
+        assert_outputs_equal(step.output(), _step(2))
+
+
+def test_corrupt_offsets_fail_full_validation(run_dir: Path) -> None:
+    batch = _batch(1)
+    with StepPublisher(run_dir) as pub, StepSubscriber(run_dir) as sub:
+        pub.publish(batch)
+        f = pub._files[0]
+        assert f is not None
+        # Find the sampled_token_ids offsets inside the slot by reading a private copy.
+        raw = pa.py_buffer(bytes(f.map[: pub._files[0].capacity]))  # type: ignore[union-attr]
+        copy = pa.ipc.open_stream(raw).read_next_batch()
+        offsets = copy.column("sampled_token_ids").buffers()[1]
+        at = offsets.address - raw.address
+        bad = np.frombuffer(f.map, dtype=np.uint8)
+        bad[at : at + 4] = np.frombuffer(np.int32(1 << 30).tobytes(), dtype=np.uint8)
+        del bad
+        with pytest.raises(SchemaMismatchError, match="full validation"):
+            sub.next(timeout=5)
+
+
+def test_control_file_of_another_layout_is_refused(run_dir: Path) -> None:
+    run_dir.mkdir()
+    (run_dir / CONTROL_NAME).write_bytes(b"AOSHARE1" + b"\x07" + b"\x00" * 200)
+    with pytest.raises(CorruptSegmentError, match="layout version"):
+        StepSubscriber(run_dir, attach_timeout_s=0.2)
+    (run_dir / CONTROL_NAME).write_bytes(b"not a run")
+    with pytest.raises(StepTimeoutError, match="a run's control file"):
+        StepSubscriber(run_dir, attach_timeout_s=0.05)
+
+
+def test_control_file_with_wrong_size_is_refused(run_dir: Path) -> None:
+    with StepPublisher(run_dir, slots=4):
+        data = (run_dir / CONTROL_NAME).read_bytes()
+        other = run_dir.parent / "other"
+        other.mkdir()
+        (other / CONTROL_NAME).write_bytes(data + b"\x00" * 8)
+        with pytest.raises(CorruptSegmentError, match="bytes for 4 slots"):
+            StepSubscriber(other)
+        remove_run(other)
+
+
+# ----------------------------------------------------------------------------- processes
+
+
+def test_two_consumer_processes_zero_copy_and_held_batch_unchanged(
+    run_dir: Path, tmp_path: Path
+) -> None:
+    steps = 16
+    outs = [tmp_path / "c0.json", tmp_path / "c1.json"]
+    pub = StepPublisher(run_dir, slots=4, lag_timeout_s=CHILD_TIMEOUT)
+    procs = [
+        SPAWN.Process(target=_consumer, args=(str(run_dir), str(out), steps, i == 0))
+        for i, out in enumerate(outs)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        pub.wait_for_subscribers(2, timeout=CHILD_TIMEOUT)
+        for seq in range(1, steps + 1):
+            assert pub.publish(_batch(seq)) == seq  # waits for the children: slots=4
+        pub.close()
+    finally:
+        for p in procs:
+            _join(p)
+    reports = [json.loads(o.read_text()) for o in outs]
+    for r in reports:
+        assert "error" not in r, r["error"]
+        assert r["seqs"] == list(range(1, steps + 1))
+        assert r["zero_copy"] is True
+        assert r["end"] is True
+    assert reports[0]["held_same"] is True
+    assert pub.stats.lag_waits >= 1  # the children were slower: the ring filled up
+    assert pub.stats.replaced_slots >= 1  # the held slot was replaced, not rewritten
+    assert pub.stats.evicted == 0
+
+
+def test_dead_consumer_does_not_block_the_producer(run_dir: Path, tmp_path: Path) -> None:
+    ready = tmp_path / "ready"
+    pub = StepPublisher(run_dir, slots=2, lag_timeout_s=CHILD_TIMEOUT)
+    child = SPAWN.Process(target=_idle_consumer, args=(str(run_dir), str(ready)))
+    child.start()
+    try:
+        pub.wait_for_subscribers(1, timeout=CHILD_TIMEOUT)
+        os.kill(child.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        child.join(CHILD_TIMEOUT)
+        start = time.monotonic()
+        for seq in range(1, 7):
+            pub.publish(_batch(seq))
+        waited = time.monotonic() - start
+    finally:
+        if child.is_alive():
+            child.kill()
+        pub.close()
+    assert pub.stats.evicted == 1
+    assert pub.stats.evicted_pids == [child.pid]
+    assert waited < CHILD_TIMEOUT / 2  # dropped at once, not after lag_timeout_s
+
+
+def test_consumer_notices_a_dead_producer(run_dir: Path) -> None:
+    child = SPAWN.Process(target=_crashing_producer, args=(str(run_dir), 2))
+    child.start()
+    try:
+        sub = StepSubscriber(run_dir, spin_s=0.001, attach_timeout_s=CHILD_TIMEOUT)
+        got = [sub.next(timeout=CHILD_TIMEOUT) for _ in range(2)]
+        assert [s.seq for s in got if s is not None] == [1, 2]
+        for s in got:
+            assert s is not None
+            assert_outputs_equal(s.output(), _step(s.seq))
+        _join(child)
+        with pytest.raises(ProducerGoneError, match="without close"):
+            sub.next(timeout=CHILD_TIMEOUT)
+        sub.close()
+    finally:
+        if child.is_alive():
+            child.kill()
