@@ -14,7 +14,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from . import analysis
+from . import analysis as analysis  # ao.analysis.summary(...): numpy and pyarrow only
 from .async_output import AsyncArrowOutput, AsyncArrowPoolingOutput
 from .batch import (
     from_record_batch,
