@@ -383,6 +383,8 @@ class StepPublisher:
             The batch's step custom metadata; default
             :func:`~arrow_outputs.step_custom_metadata` of the batch.
 
+        Notes
+        -----
         The payload is copied once, into the slot file (the consumers never copy it).
         """
         if self._closed:
