@@ -15,14 +15,24 @@ tensors into one slab of a :class:`~arrow_outputs.device.StagingPool`, and offer
 from __future__ import annotations
 
 import threading
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
-from ._torch import tensor_to_numpy
+from . import _accel
+from ._checks import arange_offsets, describe
+from ._torch import host_numpy
 from .device import Staged, StagingPool
-from .errors import FieldTypeError, ShapeError
+from .errors import (
+    ConsistencyError,
+    DTypeError,
+    FieldTypeError,
+    ShapeError,
+    UnsupportedValueError,
+)
+from .masks import SAMPLING_MASK_TYPE
 from .outputs import AsyncModelRunnerOutput, KVConnectorOutput, LogprobsLists
 
 __all__ = ["AsyncArrowOutput"]
@@ -102,7 +112,7 @@ class AsyncArrowOutput(AsyncModelRunnerOutput):
         self._in_place: dict[str, Any] = {}
 
         def add(name: str, t: Any, *, always: bool = False) -> None:
-            if t.device.type == "cpu" and not (always or copy_host):
+            if t.is_cpu and not (always or copy_host):
                 self._in_place[name] = t
                 return
             self._slots[name] = len(tensors)
@@ -139,7 +149,7 @@ class AsyncArrowOutput(AsyncModelRunnerOutput):
             k: v.to("cpu", non_blocking=True)
             for k, v in getattr(model_runner_output, "prompt_token_id_logprobs_dict", {}).items()
         }
-        self._done = False
+        self._arrays: list[np.ndarray] | None = None
 
     # ------------------------------------------------------------------ staged views
 
@@ -148,8 +158,11 @@ class AsyncArrowOutput(AsyncModelRunnerOutput):
 
     def _numpy(self, name: str) -> np.ndarray:
         if name in self._in_place:
-            return tensor_to_numpy(self._in_place[name], name)
-        return self._staged.numpy(self._slots[name])
+            return host_numpy(self._in_place[name], name)
+        if self._arrays is None:
+            # Every staged array at once: one Arrow buffer over the slab for all of them.
+            self._arrays = self._staged.arrays()
+        return self._arrays[self._slots[name]]
 
     def _host_tensor(self, name: str) -> Any:
         if name in self._in_place:
@@ -221,49 +234,47 @@ class AsyncArrowOutput(AsyncModelRunnerOutput):
         out = self.model_runner_output
         n = len(out.req_ids)
         padded = self._numpy("sampled")
-        counts = self._numpy("counts").astype(np.int64)
+        counts = self._numpy("counts")
         if padded.shape[0] != n:
             raise ShapeError(
                 "sampler_output.sampled_token_ids", f"{n} rows (one per request)", str(len(padded))
             )
-        prebuilt: dict[str, tuple[pa.Array, Any]] = {}
-        # Sampled ids: the first counts[i] slots of row i, in row order (a boolean gather).
-        keep = np.arange(padded.shape[1]) < counts[:, None]
-        list_type = (
-            pa.list_(pa.int64()) if schema is None else schema.field("sampled_token_ids").type
-        )
-        values = _ids_as(padded[keep], list_type.value_type)
-        offsets = np.zeros(n + 1, dtype=np.int32)
-        np.cumsum(counts, out=offsets[1:])
-        child = pa.Array.from_buffers(
-            list_type.value_type, len(values), [None, pa.py_buffer(values)]
-        )
+        # Columns as the encoder's own would be: nodes or arrays (_column).
+        prebuilt: dict[str, tuple[Any, Any]] = {}
         if n:  # a step without requests has sampled_token_ids == [], which the encoder knows
-            prebuilt["sampled_token_ids"] = (
-                pa.Array.from_buffers(
-                    list_type, n, [None, pa.py_buffer(offsets)], children=[child]
-                ),
-                "lists",
-            )
+            list_type = _SAMPLED_TYPE if schema is None else schema.field("sampled_token_ids").type
+            prebuilt["sampled_token_ids"] = (_sampled_column(padded, counts, list_type), "lists")
         if self._masks is not None:
-            from .mask_tensors import mask_tensors_to_arrow
+            from .mask_tensors import mask_array_supports
 
-            masks = self._host_masks()
-            arr = mask_tensors_to_arrow(masks, self._numpy("counts"))
+            m = self._masks
+            rpr = getattr(m, "rows_per_request", 1)
+            ids, inner, outer = mask_array_supports(
+                self._numpy("mask_ids"),
+                self._numpy("mask_bits"),
+                self._numpy("mask_counts"),
+                m.vocab_size,
+                rpr,
+                counts,
+            )
+            num_pos = len(inner) - 1
+            node = (
+                len(outer) - 1,
+                0,
+                (None, outer),
+                ((num_pos, 0, (None, inner), ((len(ids), 0, (None, ids), ()),)),),
+            )
             prebuilt["sampling_mask"] = (
-                arr,
-                {"offsets": True, "cu": getattr(masks, "rows_per_request", 1) > 1},
+                _column(node, SAMPLING_MASK_TYPE),
+                {"offsets": True, "cu": rpr > 1},
             )
         if self._has("num_nans"):
-            nans = self._numpy("num_nans")[:n].astype(np.int32)
-            valid = None
-            if len(nans) < n:  # zip() in vLLM stops at the shorter: the rest have no entry
-                valid = np.arange(n) < len(nans)
-                nans = np.concatenate([nans, np.zeros(n - len(nans), np.int32)])
-            mask = None if valid is None else ~valid
-            prebuilt["num_nans_in_logits"] = (pa.array(nans, mask=mask), "dict")
+            prebuilt["num_nans_in_logits"] = (_nans_column(self._numpy("num_nans"), n), "dict")
         # The logprobs column's encoder is already zero-copy over these staged arrays.
-        view = _OutputView(out, self._host_logprobs(), prebuilt)
+        lp = self._host_logprobs()
+        view = _OutputView(out, lp, prebuilt)
+        if schema is None:
+            schema = _inferred_schema(view, lp)
         return encode_step(view, step=step, schema=schema, prebuilt=prebuilt)
 
     def get_kv_connector_output(self) -> KVConnectorOutput | None:
@@ -289,20 +300,143 @@ class _OutputView:
         return getattr(self._out, name)
 
 
-def _ids_as(values: np.ndarray, arrow_type: pa.DataType) -> np.ndarray:
-    """Sampled ids as the run's id type, refused (never wrapped) when out of its range."""
-    target = np.dtype(str(arrow_type))
+_INFERRED: dict[tuple[str, str] | None, pa.Schema] = {}
+
+
+def _inferred_schema(view: Any, lp: LogprobsLists | None) -> pa.Schema | None:
+    """The schema the encoder would infer for this step, cached by the logprob dtypes, for a
+    step where only those decide it (no prompt logprobs, pooler or aux output: a decode
+    step); None otherwise, and the encoder infers. Inferring costs a fifth of the encoder's
+    time at 1024 requests, and every decode step of a run infers the same schema."""
+    if (
+        getattr(view, "prompt_logprobs_dict", None)
+        or getattr(view, "prompt_token_id_logprobs_dict", None)
+        or getattr(view, "pooler_output", None) is not None
+        or getattr(view, "aux_output_connector_output", None) is not None
+    ):
+        return None
+    key = None if lp is None else (lp.logprob_token_ids.dtype.str, lp.sampled_token_ranks.dtype.str)
+    schema = _INFERRED.get(key)
+    if schema is None:
+        from .schema import infer_schema
+
+        schema = _INFERRED[key] = infer_schema(view)
+    return schema
+
+
+_SAMPLED_TYPE = pa.list_(pa.int64())  # the sampled-ids column of an inferred schema
+_NANS_TYPE = pa.int32()
+
+# A column as the batch codec's own encoders hand it over: a node (length, null_count,
+# buffers, children) when the codec assembles the batch in C, else a pyarrow array.
+Node = tuple[int, int, tuple[Any, ...], tuple[Any, ...]]
+
+
+def _as_nodes() -> bool:
+    """Whether prebuilt columns go to the encoder as nodes (its C assembly is in use)."""
+    return _accel.accelerated() and hasattr(_accel, "record_batch")
+
+
+def _column(node: Node, arrow_type: pa.DataType) -> Any:
+    return node if _as_nodes() else _array_of(node, arrow_type)
+
+
+def _array_of(node: Node, arrow_type: pa.DataType) -> pa.Array:
+    """The pyarrow array a node describes (``Array.from_buffers``, no copy)."""
+    length, null_count, buffers, children = node
+    kids = [_array_of(k, arrow_type.field(i).type) for i, k in enumerate(children)]
+    bufs = [b if b is None or isinstance(b, pa.Buffer) else pa.py_buffer(b) for b in buffers]
+    return pa.Array.from_buffers(arrow_type, length, bufs, null_count=null_count, children=kids)
+
+
+@lru_cache(maxsize=64)
+def _uniform_offsets(n: int, step: int) -> np.ndarray:
+    """``[0, step, ..., n * step]`` int32 (steps repeat their sizes: cached, read-only)."""
+    return arange_offsets(n, step)
+
+
+def _sampled_column(padded: np.ndarray, counts: np.ndarray, list_type: pa.DataType) -> Any:
+    """The sampled-ids column: row i's first ``counts[i]`` slots of ``padded``, as vLLM's
+    ``del row[counts[i]:]`` keeps them (a count past the row keeps the whole row).
+
+    A decode step (every count equal) takes one strided copy; otherwise one boolean gather
+    over ``[rows, slots]``.
+    """
+    n, width = padded.shape
+    if counts.ndim != 1 or counts.dtype.kind not in "iu":
+        raise FieldTypeError("num_sampled_tokens", "a 1-D integer tensor", describe(counts))
+    lo, hi = int(counts.min()), int(counts.max())
+    if lo < 0:
+        i = int(np.argmax(counts < 0))
+        raise ConsistencyError(f"num_sampled_tokens[{i}]", "a count >= 0", str(int(counts[i])))
+    value_type = list_type.value_type
+    if lo == hi or lo >= width:
+        # Uniform rows: every row keeps k slots, one strided copy. A copy even when k is the
+        # width: a few KiB, and the batch then leaves the slab free for the next step.
+        k = min(lo, width)
+        values = _ids_as(padded[:, :k], value_type, copy=True).reshape(-1)
+        offsets = _uniform_offsets(n, k)
+    else:
+        keep = _ramp(width) < counts[:, None]
+        values = _ids_as(padded[keep], value_type)
+        offsets = np.empty(n + 1, dtype=np.int32)
+        offsets[0] = 0
+        np.cumsum(np.minimum(counts, width), out=offsets[1:])
+    return _column((n, 0, (None, offsets), ((values.size, 0, (None, values), ()),)), list_type)
+
+
+def _nans_column(nans: np.ndarray, n: int) -> Any:
+    """int32 NaN counts, one per request; zip() in vLLM stops at the shorter, so requests past
+    the tensor's length have no entry (null)."""
+    if nans.ndim != 1:
+        raise ShapeError("sampler_output.num_nans", "a 1-D tensor", f"shape {nans.shape}")
+    # Copied, as the sampled ids: the batch does not hold the slab for a few bytes.
+    values = _ints_as(
+        nans[:n], np.dtype(np.int32), "sampler_output.num_nans", "counts within int32", copy=True
+    )
+    k = len(values)
+    if k == n:
+        return _column((n, 0, (None, values), ()), _NANS_TYPE)
+    padded = np.zeros(n, np.int32)
+    padded[:k] = values
+    validity = np.packbits(_ramp(n) < k, bitorder="little")
+    return _column((n, n - k, (validity, padded), ()), _NANS_TYPE)
+
+
+def _ramp(n: int) -> np.ndarray:
+    from .mask_tensors import _ramp as ramp
+
+    return ramp(n, np.int64)
+
+
+def _ids_as(values: np.ndarray, arrow_type: pa.DataType, *, copy: bool = False) -> np.ndarray:
+    """Sampled ids as the run's id type, refused (never wrapped) when out of its range.
+
+    A schema of another id type gets int64 here; the encoder then refuses that schema with
+    the precise error."""
+    target = _NP_OF.get(arrow_type.id, _NP_OF[pa.int64().id])
+    what = f"token ids within {target} (the run's id type)"
+    return _ints_as(values, target, "sampled_token_ids", what, copy=copy)
+
+
+_NP_OF: dict[int, np.dtype[Any]] = {
+    pa.int32().id: np.dtype(np.int32),
+    pa.int64().id: np.dtype(np.int64),
+}
+
+
+def _ints_as(
+    values: np.ndarray, target: np.dtype, field: str, what: str, *, copy: bool = False
+) -> np.ndarray:
+    """Integers as ``target`` (contiguous; a new array with ``copy``), refused (never wrapped)
+    when out of its range (``what`` says the expected range in the message)."""
     if values.dtype == target:
-        return np.ascontiguousarray(values)
+        return values.copy() if copy else np.ascontiguousarray(values)
+    if values.dtype.kind not in "iu":
+        raise DTypeError(field, "integers", str(values.dtype))
     info = np.iinfo(target)
     if values.size and (values.min() < info.min or values.max() > info.max):
-        from .errors import UnsupportedValueError
-
-        raise UnsupportedValueError(
-            "sampled_token_ids",
-            f"token ids within {target} (the run's id type)",
-            f"values from {values.min()} to {values.max()}",
-        )
+        raise UnsupportedValueError(field, what, f"values from {values.min()} to {values.max()}")
     return values.astype(target)
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 import threading
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -129,14 +128,37 @@ class PoolStats:
     waits: int  # stagings that waited for a slab to come back
 
 
+class _Slab:
+    """One pinned (or plain) host allocation, with its numpy view made once."""
+
+    __slots__ = ("address", "array", "tensor")
+
+    def __init__(self, tensor: Any) -> None:
+        self.tensor = tensor  # uint8, 1-D
+        self.array: np.ndarray = tensor.numpy()  # a view: host memory, pinned or not
+        self.address: int = tensor.data_ptr()
+
+
 class _Lease:
     """Holds a slab out of the pool. Arrow buffers over the slab keep it alive as their base;
-    when the last one goes, a finalizer returns the slab (a lease never outlives its views)."""
+    when the last one goes, the slab goes back to the pool (a lease never outlives its views).
 
-    __slots__ = ("__weakref__", "slab")
+    ``__del__`` rather than ``weakref.finalize``: a fifth of the cost per step, and a lease is
+    never part of a reference cycle (it refers only to its pool and its slab)."""
 
-    def __init__(self, slab: Any) -> None:
-        self.slab = slab
+    __slots__ = ("_pool", "_slab")
+
+    def __init__(self, pool: StagingPool, slab: _Slab) -> None:
+        self._pool = pool
+        self._slab = slab
+
+    @property
+    def slab(self) -> Any:
+        """The slab as a uint8 host tensor."""
+        return self._slab.tensor
+
+    def __del__(self) -> None:
+        self._pool._release(self._slab)
 
 
 class StagingPool:
@@ -184,7 +206,7 @@ class StagingPool:
         self.min_slab_bytes = min_slab_bytes
         self.timeout = timeout
         self._pin = pin
-        self._free: list[Any] = []  # slabs (uint8 host tensors) not leased
+        self._free: list[_Slab] = []  # slabs not leased
         self._count = 0  # slabs held, leased or free
         self._cond = threading.Condition()
         self._allocations = self._reuses = self._bytes = self._waits = 0
@@ -204,18 +226,18 @@ class StagingPool:
         with self._cond:
             return len(self._free)
 
-    def _release(self, slab: Any) -> None:
+    def _release(self, slab: _Slab) -> None:
         with self._cond:
             self._free.append(slab)
             self._cond.notify()
 
-    def _acquire(self, nbytes: int) -> Any:
+    def _acquire(self, nbytes: int) -> _Slab:
         torch = _torch()
         with self._cond:
             waited = False
             while True:
-                # By position, never list.remove: it would compare tensors with ==.
-                sizes = [s.numel() for s in self._free]
+                # By position, never list.remove (it compares with ==).
+                sizes = [s.array.size for s in self._free]
                 fitting = [i for i, size in enumerate(sizes) if size >= nbytes]
                 if fitting:
                     slab = self._free.pop(min(fitting, key=sizes.__getitem__))
@@ -240,7 +262,7 @@ class StagingPool:
                         "every slab still viewed by a batch, buffer or tensor; release them, "
                         "or make the pool larger",
                     )
-        return torch.empty(size, dtype=torch.uint8, pin_memory=self._pinned())
+        return _Slab(torch.empty(size, dtype=torch.uint8, pin_memory=self._pinned()))
 
     def stage(
         self, tensors: Sequence[Any], *, stream: Any = None, main_stream: Any = None
@@ -254,36 +276,57 @@ class StagingPool:
         """
         torch = _torch()
         items = list(tensors)
+        specs: list[tuple[int, str, tuple[int, ...]]] = []
+        total = staged_bytes = 0
         for i, t in enumerate(items):
             if not is_tensor(t):
                 raise FieldTypeError(f"tensors[{i}]", "a torch tensor", describe(t))
-        offsets, total = [], 0
-        for t in items:
-            offsets.append(total)
-            total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+            nbytes = t.nbytes
+            specs.append((total, tensor_dtype_name(t), tuple(t.shape)))
+            staged_bytes += nbytes
+            total += -(-nbytes // _ALIGN) * _ALIGN
         slab = self._acquire(max(total, 1))
-        lease = _Lease(slab)
-        weakref.finalize(lease, self._release, slab)
-        on_device = any(t.device.type == "cuda" for t in items)
+        lease = _Lease(self, slab)
         event = None
-        if on_device:
+        if any(t.is_cuda for t in items):
             side = stream if stream is not None else torch.cuda.Stream()
             main = main_stream if main_stream is not None else torch.cuda.current_stream()
             side.wait_stream(main)
             with torch.cuda.stream(side):
-                for t, off in zip(items, offsets):
-                    _region(slab, off, t).copy_(t, non_blocking=True)
+                for t, (off, _, _) in zip(items, specs):
+                    _region(slab.tensor, off, t).copy_(t, non_blocking=True)
                     # The source must outlive the copy: the caching allocator is told so.
                     t.record_stream(side)
                 event = torch.cuda.Event()
                 event.record(side)
         else:
-            for t, off in zip(items, offsets):
-                _region(slab, off, t).copy_(t)
+            for t, (off, dtype, _) in zip(items, specs):
+                src = _host_bytes(t, dtype) if t.is_cpu else None
+                if src is None:
+                    _region(slab.tensor, off, t).copy_(t)
+                else:
+                    # A host-to-host copy through numpy: a few times cheaper than torch's
+                    # view-and-copy_ chain for the small tensors of a step.
+                    slab.array[off : off + src.size] = src
         with self._cond:
-            self._bytes += sum(t.numel() * t.element_size() for t in items)
-        specs = [(off, tensor_dtype_name(t), tuple(t.shape)) for t, off in zip(items, offsets)]
-        return Staged(lease, specs, event)
+            self._bytes += staged_bytes
+        return Staged(lease, specs, event, total)
+
+
+def _host_bytes(t: Any, dtype: str) -> np.ndarray | None:
+    """A host tensor's bytes as a flat uint8 numpy array (a view when contiguous), or None
+    where ``Tensor.numpy()`` refuses (autograd, a lazy conjugate or negation, a dtype numpy
+    lacks): torch copies those itself."""
+    if dtype in _BIT_VIEWS:
+        if not t.is_contiguous():
+            return None
+        t = t.view(getattr(_torch(), _BIT_VIEWS[dtype]))
+    try:
+        a = t.numpy()
+    except (RuntimeError, TypeError):
+        return None
+    # ravel: a view when contiguous, else a copy in row-major order (the slab's bytes).
+    return a.ravel().view(np.uint8)
 
 
 def _region(slab: Any, offset: int, like: Any) -> Any:
@@ -299,10 +342,17 @@ class Staged:
     never overwrites data that is still viewed.
     """
 
-    def __init__(self, lease: _Lease, specs: list[tuple[int, str, tuple[int, ...]]], event: Any):
+    def __init__(
+        self,
+        lease: _Lease,
+        specs: list[tuple[int, str, tuple[int, ...]]],
+        event: Any,
+        nbytes: int = 0,
+    ):
         self._lease = lease
         self._specs = specs
         self._event = event
+        self._nbytes = nbytes
 
     def __len__(self) -> int:
         return len(self._specs)
@@ -315,15 +365,44 @@ class Staged:
     def buffer(self, i: int) -> pa.Buffer:
         """An Arrow buffer over tensor ``i``'s bytes in the slab (bit patterns for bf16/bool)."""
         off, dtype, shape = self._specs[i]
-        slab = self._lease.slab
         nbytes = math.prod(shape) * _itemsize(dtype)
         # foreign_buffer's base keeps the lease (and so the slab) alive while Arrow uses it.
-        return pa.foreign_buffer(slab.data_ptr() + off, nbytes, base=self._lease)
+        return pa.foreign_buffer(self._lease._slab.address + off, nbytes, base=self._lease)
 
     def numpy(self, i: int) -> np.ndarray:
         """Tensor ``i`` as a numpy array over the slab (bfloat16 as its uint16 bits)."""
         _, dtype, shape = self._specs[i]
         return np.frombuffer(self.buffer(i), dtype=_BIT_VIEWS.get(dtype, dtype)).reshape(shape)
+
+    def arrays(self) -> list[np.ndarray]:
+        """Every staged tensor as a numpy array over the slab (bfloat16 as its uint16 bits).
+
+        One Arrow buffer spans them all, so this costs one buffer however many tensors there
+        are. Read them after :meth:`wait`.
+
+        Returns
+        -------
+        list of numpy.ndarray
+            One array per staged tensor, in staging order, shaped like it; each array (and
+            anything made over it) keeps the slab leased.
+
+        Examples
+        --------
+        >>> import torch
+        >>> staged = StagingPool(max_slabs=1).stage([torch.arange(3), torch.ones(2, 2)])
+        >>> ids, ones = staged.arrays()
+        >>> ids.tolist(), ones.shape
+        ([0, 1, 2], (2, 2))
+        """
+        whole = np.frombuffer(
+            pa.foreign_buffer(self._lease._slab.address, self._nbytes, base=self._lease),
+            dtype=np.uint8,
+        )
+        out = []
+        for off, dtype, shape in self._specs:
+            nbytes = math.prod(shape) * _itemsize(dtype)
+            out.append(whole[off : off + nbytes].view(_BIT_VIEWS.get(dtype, dtype)).reshape(shape))
+        return out
 
     def tensor(self, i: int) -> Any:
         """Tensor ``i`` as a host tensor over the slab, its dtype restored."""

@@ -40,7 +40,7 @@ import numpy as np
 import pyarrow as pa
 
 from . import _accel
-from ._checks import arange_offsets, check_dtype, check_ndim, describe, host_array
+from ._checks import arange_offsets, check_dtype, check_ndim, describe, dtype_name, host_array
 from ._torch import is_tensor, tensor_dtype_name
 from .errors import (
     ConsistencyError,
@@ -426,21 +426,66 @@ def mask_tensors_to_arrow(masks: Any, num_sampled_tokens: Any = None) -> pa.List
     [[[3, 5], [7]], [[0, 1, 2]]]
     """
     flat, offsets, cu = _supports(masks, num_sampled_tokens, host_copy=False)
+    return _arrow_of(flat, offsets, cu)
+
+
+def mask_array_supports(
+    token_ids: np.ndarray,
+    packed_mask: np.ndarray,
+    counts: np.ndarray,
+    vocab_size: int,
+    rows_per_request: int = 1,
+    num_sampled_tokens: Any = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The buffers of :func:`mask_tensors_to_arrow`'s array, from the three fields as host
+    numpy arrays (as ``AsyncArrowOutput`` holds them once staged), with the same checks.
+
+    Returns
+    -------
+    tuple of numpy.ndarray
+        int32 ids, int64 inner (CSR) offsets, int32 outer offsets (read-only when cached).
+    """
+    arrays = (token_ids, packed_mask, counts)
+    for name, a, dtype, ndim in zip(_PARTS, arrays, ("int32", "uint8", "int32"), (2, 2, 1)):
+        if type(a) is not np.ndarray:
+            raise FieldTypeError(f"{_FIELD}.{name}", "a numpy array", describe(a))
+        check_dtype(dtype_name(a.dtype), (dtype,), f"{_FIELD}.{name}")
+        check_ndim(a, ndim, f"{_FIELD}.{name}")
+    vocab = _index_int(vocab_size, f"{_FIELD}.vocab_size")
+    rpr = _positive_int(rows_per_request, f"{_FIELD}.rows_per_request")
+    flat, offsets, cu = _supports_of(
+        token_ids, packed_mask, counts, vocab, rpr, num_sampled_tokens, host_copy=False
+    )
+    return flat, offsets, _outer_offsets(len(offsets) - 1, cu)
+
+
+_PARTS = ("token_ids", "packed_mask", "counts")
+_INNER_TYPE = SAMPLING_MASK_TYPE.value_type
+_ID_TYPE = _INNER_TYPE.value_type
+
+
+@lru_cache(maxsize=64)
+def _arange_offsets(n: int) -> np.ndarray:
+    """One position per request: ``[0, 1, ..., n]`` int32 (steps repeat sizes: cached)."""
+    return arange_offsets(n)
+
+
+def _outer_offsets(num_pos: int, cu: np.ndarray | None) -> np.ndarray:
+    return _arange_offsets(num_pos) if cu is None else cu.astype(np.int32)
+
+
+def _arrow_of(flat: np.ndarray, offsets: np.ndarray, cu: np.ndarray | None) -> pa.ListArray:
+    """``list<large_list<int32>>`` over the supports' buffers (no copy of ids or offsets)."""
     num_pos = len(offsets) - 1
-    if cu is None:
-        outer = arange_offsets(num_pos)
-        num_reqs = num_pos
-    else:
-        outer = cu.astype(np.int32)
-        num_reqs = len(cu) - 1
+    outer = _outer_offsets(num_pos, cu)
     inner = pa.Array.from_buffers(
-        pa.large_list(pa.int32()),
+        _INNER_TYPE,
         num_pos,
         [None, pa.py_buffer(offsets)],
-        children=[pa.Array.from_buffers(pa.int32(), len(flat), [None, pa.py_buffer(flat)])],
+        children=[pa.Array.from_buffers(_ID_TYPE, len(flat), [None, pa.py_buffer(flat)])],
     )
     return pa.Array.from_buffers(
-        SAMPLING_MASK_TYPE, num_reqs, [None, pa.py_buffer(outer)], children=[inner]
+        SAMPLING_MASK_TYPE, len(outer) - 1, [None, pa.py_buffer(outer)], children=[inner]
     )
 
 
@@ -463,6 +508,22 @@ def _supports(
     counts = _host(masks.counts, f"{_FIELD}.counts", "int32", 1, host_copy)
     vocab_size = _index_int(masks.vocab_size, f"{_FIELD}.vocab_size")
     rpr = _positive_int(getattr(masks, "rows_per_request", 1), f"{_FIELD}.rows_per_request")
+    return _supports_of(
+        token_ids, packed, counts, vocab_size, rpr, num_sampled_tokens, host_copy=host_copy
+    )
+
+
+def _supports_of(
+    token_ids: np.ndarray,
+    packed: np.ndarray,
+    counts: np.ndarray,
+    vocab_size: int,
+    rpr: int,
+    num_sampled_tokens: Any,
+    *,
+    host_copy: bool,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """:func:`_supports` over host arrays whose dtypes and ranks are checked."""
     rows, width = token_ids.shape
     if len(counts) != rows or packed.shape != (rows, (vocab_size + 7) // 8):
         raise ShapeError(
@@ -501,13 +562,14 @@ def _supports(
         offsets = np.concatenate((all_offsets[:1], all_offsets[1:][active]))
 
     # The C walk, when built: one pass over the rows (compact copy or bit scan per row). It
-    # gives up on anything irregular, and the numpy path below raises the precise error.
-    if rows and _accel.accelerated():
-        flat = np.empty(int(all_offsets[-1]), dtype=np.int32)
-        lens32 = np.ascontiguousarray(lens, dtype=np.int32)
+    # gives up on anything irregular (a negative count among them), and the numpy path below
+    # raises the precise error.
+    total = int(all_offsets[-1])
+    if rows and total >= 0 and _accel.accelerated():
+        flat = np.empty(total, dtype=np.int32)
         tok = np.ascontiguousarray(token_ids)
         bits = np.ascontiguousarray(packed)
-        if _accel.mask_rows(tok, width, bits, bits.shape[1], lens32, vocab_size, flat):
+        if _accel.mask_rows(tok, width, bits, bits.shape[1], lens, vocab_size, flat):
             return flat, offsets, cu
 
     # Seen as unsigned, a negative count is huge: one reduction finds the rows that need a
@@ -617,7 +679,7 @@ def _host(x: Any, field: str, dtype: str, ndim: int, host_copy: bool) -> np.ndar
     """A numpy view of a host array/tensor; device tensors copied (``.cpu()``) or refused."""
     if is_tensor(x):
         check_dtype(tensor_dtype_name(x), (dtype,), field)
-        if x.device.type != "cpu":
+        if not x.is_cpu:  # is_cpu: a fifth of the cost of device.type
             if not host_copy:
                 raise UnsupportedValueError(
                     field,
@@ -628,10 +690,14 @@ def _host(x: Any, field: str, dtype: str, ndim: int, host_copy: bool) -> np.ndar
         # Integer tensors: .numpy() shares the memory like DLPack at a fifth of the cost
         # (no bfloat16 to reinterpret, no autograd to detach from).
         a = x.numpy()
+    elif type(x) is np.ndarray:
+        a = x
+        check_dtype(dtype_name(a.dtype), (dtype,), field)
     else:
-        a, dt = host_array(x, field)  # numpy as is; other kinds refused
+        a, dt = host_array(x, field)  # other kinds refused
         check_dtype(dt, (dtype,), field)
-    check_ndim(a, ndim, field)
+    if a.ndim != ndim:
+        check_ndim(a, ndim, field)  # raises the precise error
     return a
 
 

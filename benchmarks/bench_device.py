@@ -6,16 +6,18 @@ objects (sampled ids as trimmed lists, sampling masks by a loop over rows, NaN c
 dict, logprobs as numpy arrays) that the engine core pickles to the scheduler process. This
 script times, on host tensors (the state after vLLM's copy event):
 
-* ``vLLM``: ``vllm_get_output`` below, the host side of ``get_output()`` re-implemented as it
-  is there, without the pickle handoff;
+* ``vLLM``: ``vllm_async_output`` then ``vllm_get_output`` below, the host side of
+  ``AsyncOutput``'s constructor (its ``copy=True`` copies of the sampled ids, NaN counts and
+  counts) and of ``get_output()``, re-implemented as they are there, without the pickle
+  handoff;
 * ``vLLM+pkl``: the same plus the handoff, ``pickle.loads(pickle.dumps(out, protocol=5))``.
   No ``buffer_callback`` is given, so the numpy arrays of ``LogprobsLists`` and
   ``SamplingMaskLists`` travel in band (inside the pickle bytes);
 * ``batch``: ``AsyncArrowOutput(mro, sampler, counts, pool=pool).get_record_batch(step=i)``,
-  construction included. Construction stages every tensor into a slab of the workload's
-  ``StagingPool`` (one per workload): on this CPU-only machine a host-to-host
-  copy of all the step's tensors (the bitmask included), which vLLM's side does not pay here
-  (on a GPU both sides copy the same bytes device-to-host, untimed for vLLM);
+  construction included. Construction stages the sampled ids, their counts and the NaN
+  counts into a slab of the workload's ``StagingPool`` (one per workload), the tensors
+  vLLM's constructor copies too; host logprob and mask tensors are used where they are, as
+  vLLM's ``to_cpu_nonblocking()`` leaves them;
 * ``batch/st``: ``get_record_batch`` alone on an output staged once (no staging copy), for
   information;
 * ``get_out``: ``AsyncArrowOutput(...).get_output()``, construction included: vLLM's
@@ -49,11 +51,12 @@ a preallocated pinned tensor, then ``synchronize``) for 16 MiB and 256 MiB tenso
 >= 80% of raw); and pinned allocations per step after warm-up, over 100 steps of
 ``decode lp20`` at 1024 requests on the device (target 0).
 
-Method: as in ``bench_masks.py``, whose timing helpers and mask generator this script uses.
+Method: as in ``bench_masks.py``, whose timing helpers and mask generator this script uses
+(``--cpu-time`` too). The GPU section always times wall time (the copies run on the device).
 
 Usage::
 
-    python benchmarks/bench_device.py [--quick] [--json PATH]
+    python benchmarks/bench_device.py [--quick] [--cpu-time] [--json PATH]
 """
 
 from __future__ import annotations
@@ -78,6 +81,7 @@ from arrow_outputs.device import StagingPool
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_masks import (
+    CLOCK,
     Figure,
     Settings,
     _t,
@@ -130,6 +134,27 @@ class HostCopies:
     sampling_mask_tensors: Any
 
 
+def vllm_async_output(sampler: Any, num_sampled_tokens: torch.Tensor) -> HostCopies:
+    """The host side of vLLM 0.33's ``AsyncOutput.__init__`` on host tensors: its
+    ``async_copy_to_np`` copies (``x.to("cpu", non_blocking=True, copy=True).numpy()``) of the
+    sampled ids, the NaN counts and ``num_sampled_tokens``, and ``to_cpu_nonblocking()`` of the
+    logprob and mask tensors (which returns them as they are on the host). The counterpart of
+    ``AsyncArrowOutput``'s construction, which stages the same three tensors."""
+
+    def async_copy_to_np(x: torch.Tensor) -> np.ndarray:
+        return x.to("cpu", non_blocking=True, copy=True).numpy()
+
+    lp = sampler.logprobs_tensors
+    masks = sampler.sampling_mask_tensors
+    return HostCopies(
+        async_copy_to_np(sampler.sampled_token_ids),
+        async_copy_to_np(num_sampled_tokens),
+        None if sampler.num_nans is None else async_copy_to_np(sampler.num_nans),
+        None if lp is None else lp.to_cpu_nonblocking(),
+        None if masks is None else masks.to_cpu_nonblocking(),
+    )
+
+
 def vllm_get_output(mro: Any, h: HostCopies) -> Any:
     """The host side of vLLM 0.33's ``AsyncOutput.get_output``
     (``vllm/v1/worker/gpu/async_utils.py``), after ``copy_event.synchronize()``; the EP-fault
@@ -144,12 +169,15 @@ def vllm_get_output(mro: Any, h: HostCopies) -> Any:
     if h.num_nans is not None:
         mro.num_nans_in_logits = dict(zip(mro.req_ids, h.num_nans.tolist()))
     if h.logprobs_tensors is not None:
-        lp = h.logprobs_tensors  # LogprobsTensors.tolists (vllm/v1/outputs.py)
+        lp = h.logprobs_tensors  # LogprobsTensors.tolists() (vllm/v1/outputs.py)
+        cu = lp.cu_num_generated_tokens
+        if getattr(lp, "cu_num_generated_tokens_tensor", None) is not None:
+            cu = lp.cu_num_generated_tokens_tensor.tolist()
         mro.logprobs = LogprobsLists(
             lp.logprob_token_ids.cpu().numpy(),
             lp.logprobs.cpu().numpy(),
             lp.selected_token_ranks.cpu().numpy(),
-            lp.cu_num_generated_tokens,
+            cu,
         )
     mro.prompt_logprobs_dict = {}
     mro.prompt_token_id_logprobs_dict = {}
@@ -157,7 +185,13 @@ def vllm_get_output(mro: Any, h: HostCopies) -> Any:
 
 
 def vllm_handoff(out: Any) -> Any:
-    """vLLM's handoff to the scheduler process: pickle protocol 5, numpy arrays in band."""
+    """vLLM's handoff to the scheduler process: pickle protocol 5, numpy arrays in band.
+
+    vLLM 0.33's ``MessageQueue.enqueue`` (``vllm/distributed/device_communicators/
+    shm_broadcast.py``) pickles with a ``buffer_callback`` that keeps buffers under 1 MiB in
+    band (every array of these workloads), then copies the bytes into its shared-memory ring;
+    ``dequeue`` unpickles from the ring. This leaves out the ring copies and the pickler's
+    setup: a lower bound of vLLM's cost, so the ratios against it are conservative."""
     return pickle.loads(pickle.dumps(out, protocol=5))
 
 
@@ -227,7 +261,8 @@ class MismatchError(RuntimeError):
 
 def check(w: Workload, pool: StagingPool) -> None:
     for i, s in enumerate(w.steps):
-        want = vllm_get_output(make_mro(s.mro_vllm.req_ids), s.host)
+        want = vllm_get_output(make_mro(s.mro_vllm.req_ids), vllm_async_output(s.sampler, s.counts))
+        ao.assert_outputs_equal(want, vllm_get_output(make_mro(s.mro_vllm.req_ids), s.host))
         back = vllm_handoff(want)
         ao.assert_outputs_equal(back, want)
         got = AsyncArrowOutput(
@@ -383,9 +418,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="under 30 s, rough figures")
     parser.add_argument("--json", type=Path, help="write every figure to this file")
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time with the thread's CPU time, not wall time (not the GPU section)",
+    )
     args = parser.parse_args(argv)
     s = QUICK if args.quick else FULL
+    CLOCK[0] = "cpu" if args.cpu_time else "wall"
     env = environment()
+    env["clock"] = CLOCK[0]
     env["cuda"] = torch.cuda.is_available()
     print(
         f"arrow_outputs {env['arrow_outputs']} | pyarrow {env['pyarrow']} | numpy "
@@ -393,7 +435,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{env['platform']}, {env['cpus']} cores ({env['cpus_usable']} usable), "
         f"load {env['load']:.2f} | CUDA {'yes' if env['cuda'] else 'no'}"
     )
-    print("times: microseconds per call, median ±half-IQR; ratios: vLLM time / ours")
+    print(
+        f"times: microseconds per call ({CLOCK[0]} clock), median ±half-IQR; "
+        "ratios: vLLM time / ours"
+    )
     t_start = time.perf_counter()
     allocations = reuses = 0
     step_results, mask_results = [], []
@@ -414,11 +459,22 @@ def main(argv: list[str] | None = None) -> int:
             st.staged = AsyncArrowOutput(st.mro_staged, st.sampler, st.counts, pool=pool)
         figs = {
             "vllm": Figure(
-                "vllm", cycling(lambda st, i: vllm_get_output(st.mro_vllm, st.host), w.steps)
+                "vllm",
+                cycling(
+                    lambda st, i: vllm_get_output(
+                        st.mro_vllm, vllm_async_output(st.sampler, st.counts)
+                    ),
+                    w.steps,
+                ),
             ),
             "vllm_pickle": Figure(
                 "vllm_pickle",
-                cycling(lambda st, i: vllm_handoff(vllm_get_output(st.mro_vllm, st.host)), w.steps),
+                cycling(
+                    lambda st, i: vllm_handoff(
+                        vllm_get_output(st.mro_vllm, vllm_async_output(st.sampler, st.counts))
+                    ),
+                    w.steps,
+                ),
             ),
             "batch": Figure(
                 "batch",

@@ -15,6 +15,10 @@ import arrow_outputs as ao
 from arrow_outputs.async_output import AsyncArrowOutput
 from arrow_outputs.device import StagingPool
 
+# Every test here runs on the C accelerator (prebuilt columns as nodes for the C assembly)
+# and on the pure-Python path (prebuilt columns as arrays).
+pytestmark = pytest.mark.usefixtures("codec_path")
+
 
 class SamplerOutput(NamedTuple):
     """MRv2's SamplerOutput (vllm/v1/worker/gpu/sample/output.py), its attribute names."""
@@ -269,3 +273,68 @@ def test_async_arrow_output_chunked_prefill_requests_sample_nothing() -> None:
     )
     batch = AsyncArrowOutput(mro, sampler, counts).get_record_batch(step=4)
     assert batch.equals(ao.to_record_batch(expected, step=4))
+
+
+@pytest.mark.parametrize(
+    "counts",
+    [[3, 3, 3, 3], [0, 0, 0, 0], [1, 1, 1, 1], [5, 4, 3, 9], [0, 3, 1, 2]],
+    ids=["full", "none", "uniform", "past-the-row", "mixed"],
+)
+def test_async_arrow_output_sampled_ids_trimmed_as_vllm_trims(counts: list[int]) -> None:
+    # Uniform counts take a strided copy, others a boolean gather; a count past the row
+    # keeps the whole row, as del row[k:] does.
+    mro, sampler, _ = _step(4, 3, seed=3)
+    counts_t = torch.tensor(counts, dtype=torch.int32)
+    sampler = sampler._replace(logprobs_tensors=None, num_sampled=counts_t)
+    expected = vllm_get_output(copy.copy(mro), sampler, counts_t)
+    assert expected.sampled_token_ids == [
+        ids[:k] for ids, k in zip(sampler.sampled_token_ids.tolist(), counts)
+    ]
+    batch = AsyncArrowOutput(mro, sampler, counts_t).get_record_batch(step=1)
+    assert batch.equals(ao.to_record_batch(expected, step=1))
+
+
+def test_async_arrow_output_negative_count_is_refused() -> None:
+    mro, sampler, _ = _step(3, 2)
+    counts = torch.tensor([1, -1, 2], dtype=torch.int32)
+    out = AsyncArrowOutput(mro, sampler._replace(logprobs_tensors=None), counts)
+    with pytest.raises(
+        ao.ConsistencyError, match=r"^num_sampled_tokens\[1\]: expected a count >= 0"
+    ):
+        out.get_record_batch()
+
+
+def test_async_arrow_output_nans_out_of_int32_are_refused() -> None:
+    mro, sampler, counts = _step(2, 1)
+    sampler = sampler._replace(num_nans=torch.tensor([1, 2**40]))
+    with pytest.raises(ao.UnsupportedValueError, match=r"^sampler_output\.num_nans: "):
+        AsyncArrowOutput(mro, sampler, counts).get_record_batch()
+
+
+def test_async_arrow_output_batch_leaves_the_slab_free_with_host_tensors() -> None:
+    # Host logprobs are used in place and the few staged bytes (sampled ids, counts, NaN
+    # counts) are copied out: a batch kept alive does not hold a slab of the pool.
+    mro, sampler, counts = _step(8, 1, nans=8)
+    pool = StagingPool(max_slabs=1, timeout=0.1)
+    batches = [AsyncArrowOutput(copy.copy(mro), sampler, counts, pool=pool).get_record_batch()]
+    gc.collect()
+    assert pool.free_slabs() == 1
+    batches.append(AsyncArrowOutput(copy.copy(mro), sampler, counts, pool=pool).get_record_batch())
+    assert batches[0].equals(batches[1])
+
+
+def test_async_arrow_output_schema_inference_follows_each_step() -> None:
+    # Decode steps share one cached inferred schema per logprob dtypes; a step with prompt
+    # logprobs, or with other dtypes, infers its own, as to_record_batch does.
+    for ids_dtype in (torch.int64, torch.int32, torch.int64):
+        mro, sampler, counts = _step(3, 1, seed=5)
+        lp = sampler.logprobs_tensors
+        sampler = sampler._replace(
+            logprobs_tensors=lp._replace(logprob_token_ids=lp.logprob_token_ids.to(ids_dtype))
+        )
+        for prompt in ({}, mro.prompt_logprobs_dict):
+            mro.prompt_logprobs_dict = prompt
+            expected = ao.to_record_batch(vllm_get_output(copy.copy(mro), sampler, counts), step=2)
+            batch = AsyncArrowOutput(copy.copy(mro), sampler, counts).get_record_batch(step=2)
+            assert batch.schema.equals(expected.schema, check_metadata=True)
+            assert batch.equals(expected)

@@ -185,3 +185,46 @@ def test_staging_pool_picks_among_free_slabs_of_different_sizes() -> None:
     tiny = pool.stage([torch.ones(4)])  # the small one
     assert tiny.tensor(0).tolist() == [1.0] * 4
     assert pool.stats().allocations == 2
+
+
+def test_staging_pool_copies_every_host_layout_exactly() -> None:
+    # Host tensors are copied through numpy where it can view them; the rest (bfloat16 views
+    # that are strided, autograd, lazy conjugates) through torch. Every one lands row-major.
+    tensors = [
+        torch.arange(12).reshape(3, 4).T,
+        torch.tensor([True, False, True]),
+        torch.randn(4, 3).bfloat16().T,
+        torch.randn(3, requires_grad=True),
+        torch.randn(9)[::2],
+        torch.tensor([1 + 2j, 3 - 1j]).conj(),
+        torch.tensor(5, dtype=torch.int16),
+        torch.zeros(0, 3),
+    ]
+    staged = StagingPool().stage(tensors)
+    arrays = staged.arrays()
+    for i, t in enumerate(tensors):
+        want = t.detach().resolve_conj()
+        got = staged.tensor(i)
+        assert got.dtype == t.dtype
+        assert torch.equal(got, want)
+        bits = want.view(torch.uint16) if t.dtype == torch.bfloat16 else want
+        assert np.array_equal(arrays[i], bits.numpy())
+
+
+def test_staged_arrays_keep_the_slab_leased() -> None:
+    pool = StagingPool(max_slabs=2, min_slab_bytes=4096)
+    staged = pool.stage(_step(4))
+    ids, bf16_bits = staged.arrays()
+    assert ids.ctypes.data == staged.buffer(0).address
+    assert bf16_bits.dtype == np.uint16
+    assert bf16_bits.shape == (8, 3)
+    del staged
+    gc.collect()
+    assert pool.free_slabs() == 0  # the arrays hold the lease
+    assert (ids == 4).all()
+    del bf16_bits
+    gc.collect()
+    assert pool.free_slabs() == 0
+    del ids
+    gc.collect()
+    assert pool.free_slabs() == 1

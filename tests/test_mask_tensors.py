@@ -23,6 +23,7 @@ from arrow_outputs import mask_tensors as mt
 from arrow_outputs.mask_tensors import (
     MAX_COMPACT_SUPPORT,
     SamplingMaskTensors,
+    mask_array_supports,
     mask_tensors_to_arrow,
 )
 from arrow_outputs.masks import SAMPLING_MASK_TYPE, sampling_masks_from_arrow
@@ -236,6 +237,26 @@ def test_mask_tensors_to_arrow_matches_sampling_masks_to_arrow(case):
             assert got.equals(want)
             assert got.offsets.equals(want.offsets)
             assert got.values.offsets.equals(want.values.offsets)
+
+
+@settings(max_examples=150, deadline=None)
+@given(kernel_masks())
+def test_mask_array_supports_are_the_arrays_buffers(case):
+    # AsyncArrowOutput's route: the same ids and offsets from the fields as numpy arrays.
+    masks, num_sampled = case
+    want = mask_tensors_to_arrow(masks, num_sampled)
+    ids, inner, outer = mask_array_supports(
+        masks.token_ids.numpy(),
+        masks.packed_mask.numpy(),
+        masks.counts.numpy(),
+        masks.vocab_size,
+        masks.rows_per_request,
+        num_sampled,
+    )
+    assert (ids.dtype, inner.dtype, outer.dtype) == (np.int32, np.int64, np.int32)
+    assert ids.tolist() == want.values.values.to_pylist()
+    assert inner.tolist() == want.values.offsets.to_pylist()
+    assert outer.tolist() == want.offsets.to_pylist()
 
 
 @settings(max_examples=50, deadline=None)
@@ -543,38 +564,49 @@ def _masks(**change):
     return SamplingMaskTensors(**fields)
 
 
-@pytest.mark.parametrize(
-    ("change", "error", "field"),
-    [
-        ({"token_ids": torch.zeros((2, 2), dtype=torch.int64)}, ao.DTypeError, "token_ids"),
-        ({"packed_mask": torch.zeros((2, 1), dtype=torch.int8)}, ao.DTypeError, "packed_mask"),
-        ({"counts": torch.zeros(2, dtype=torch.int64)}, ao.DTypeError, "counts"),
-        ({"token_ids": torch.zeros(2, dtype=torch.int32)}, ao.ShapeError, "token_ids"),
-        ({"counts": torch.zeros((2, 1), dtype=torch.int32)}, ao.ShapeError, "counts"),
-        ({"counts": torch.zeros(3, dtype=torch.int32)}, ao.ShapeError, "sampling_mask_tensors"),
-        (
-            {"packed_mask": torch.zeros((2, 2), dtype=torch.uint8)},
-            ao.ShapeError,
-            "sampling_mask_tensors",
-        ),
-        ({"vocab_size": 9}, ao.ShapeError, "sampling_mask_tensors"),
-        ({"vocab_size": 8.0}, ao.FieldTypeError, "vocab_size"),
-        ({"rows_per_request": 0}, ao.ShapeError, "rows_per_request"),
-        ({"rows_per_request": 4}, ao.ShapeError, "counts"),
-        (
-            {"counts": torch.tensor([3, 1], dtype=torch.int32)},
-            ao.ConsistencyError,
-            r"packed_mask\[0\]",
-        ),
-        ({"counts": torch.tensor([2, -1], dtype=torch.int32)}, ao.ConsistencyError, r"counts\[1\]"),
-        ({"token_ids": [[1, 2], [3, 0]]}, ao.FieldTypeError, "token_ids"),
-    ],
-)
+BAD_FIELDS = [
+    ({"token_ids": torch.zeros((2, 2), dtype=torch.int64)}, ao.DTypeError, "token_ids"),
+    ({"packed_mask": torch.zeros((2, 1), dtype=torch.int8)}, ao.DTypeError, "packed_mask"),
+    ({"counts": torch.zeros(2, dtype=torch.int64)}, ao.DTypeError, "counts"),
+    ({"token_ids": torch.zeros(2, dtype=torch.int32)}, ao.ShapeError, "token_ids"),
+    ({"counts": torch.zeros((2, 1), dtype=torch.int32)}, ao.ShapeError, "counts"),
+    ({"counts": torch.zeros(3, dtype=torch.int32)}, ao.ShapeError, "sampling_mask_tensors"),
+    (
+        {"packed_mask": torch.zeros((2, 2), dtype=torch.uint8)},
+        ao.ShapeError,
+        "sampling_mask_tensors",
+    ),
+    ({"vocab_size": 9}, ao.ShapeError, "sampling_mask_tensors"),
+    ({"vocab_size": 8.0}, ao.FieldTypeError, "vocab_size"),
+    ({"rows_per_request": 0}, ao.ShapeError, "rows_per_request"),
+    ({"rows_per_request": 4}, ao.ShapeError, "counts"),
+    (
+        {"counts": torch.tensor([3, 1], dtype=torch.int32)},
+        ao.ConsistencyError,
+        r"packed_mask\[0\]",
+    ),
+    ({"counts": torch.tensor([2, -1], dtype=torch.int32)}, ao.ConsistencyError, r"counts\[1\]"),
+    ({"token_ids": [[1, 2], [3, 0]]}, ao.FieldTypeError, "token_ids"),
+]
+
+
+@pytest.mark.parametrize(("change", "error", "field"), BAD_FIELDS)
 def test_tolists_and_to_arrow_refuse_bad_fields(change, error, field):
     masks = _masks(**change)
     for convert in (masks.tolists, lambda: mask_tensors_to_arrow(masks)):
         with pytest.raises(error, match=rf"^[^:]*{field}[^:]*: expected "):
             convert()
+
+
+@pytest.mark.parametrize(("change", "error", "field"), BAD_FIELDS)
+def test_mask_array_supports_refuses_the_same_bad_fields(change, error, field):
+    masks = _masks(**change)
+    parts = [
+        x.numpy() if isinstance(x, torch.Tensor) else x
+        for x in (masks.token_ids, masks.packed_mask, masks.counts)
+    ]
+    with pytest.raises(error, match=rf"^[^:]*{field}[^:]*: expected "):
+        mask_array_supports(*parts, masks.vocab_size, masks.rows_per_request)
 
 
 def test_wide_count_with_too_few_bits_raises_consistency_error():
