@@ -37,8 +37,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     >>> with contextlib.redirect_stderr(io.StringIO()) as err:
     ...     main(["inspect", "no-such-run.arrows"])
     1
-    >>> err.getvalue().splitlines()[0][:60]
-    'arrow-outputs inspect: error: no-such-run.arrows: expected a '
+    >>> print(err.getvalue().split(", got")[0])
+    arrow-outputs inspect: error: no-such-run.arrows: expected a readable run file
     """
     parser = _parser()
     args = parser.parse_args(argv)
