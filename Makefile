@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed
 # to pure Python quietly); tests/test_speedups.py checks it imported. Override with =0.
 export ARROW_OUTPUTS_REQUIRE_SPEEDUPS ?= 1
 
-.PHONY: install demo test lint typecheck unit docs notebooks notebooks-write bench clean
+.PHONY: install demo test lint typecheck unit docs notebooks notebooks-write bench bench-all clean
 
 # setup.py and the C source too: `pip install -e .` is what recompiles arrow_outputs._speedups.
 $(STAMP): pyproject.toml setup.py arrow_outputs/_speedups.c
@@ -53,6 +53,15 @@ test: lint typecheck unit docs notebooks
 # goes to bench-encode.json too. Narrow it with BENCH_ARGS="--quick" or "--path python".
 bench: $(STAMP)
 	$(PY) benchmarks/bench_encode.py --json bench-encode.json $(BENCH_ARGS)
+
+# Every benchmark into bench-out/, then the plot of docs/performance.md (about 10 min on 2 cores).
+bench-all: $(STAMP)
+	mkdir -p bench-out
+	$(PY) benchmarks/bench_encode.py --json bench-out/encode.json
+	$(PY) benchmarks/bench_device.py --json bench-out/device.json
+	$(PY) benchmarks/bench_masks.py --json bench-out/masks.json
+	$(PY) benchmarks/bench_handoff.py --json bench-out/handoff.json
+	$(PY) benchmarks/plot_performance.py bench-out docs/performance.png
 
 clean:
 	rm -rf $(VENV) site build .pytest_cache .mypy_cache .ruff_cache .hypothesis arrow_outputs/*.so
