@@ -1,7 +1,11 @@
 """Which implementation of the codec's walks over Python objects runs: C or pure Python.
 
 The record-batch codec imports only this module and calls ``_accel.flatten_int_lists(...)``
-and so on through it, so :func:`set_pure_python` takes effect at once, everywhere.
+and so on through it, so :func:`set_pure_python` takes effect at once, everywhere. Besides the
+walks, :data:`record_batch` assembles a step's batch from its columns (nodes or arrays): on
+the compiled path through one Arrow C Data Interface import (``_speedups.build_array``), on
+the pure-Python path through pyarrow's constructors (``_pyspeedups.record_batch``, its
+specification).
 
 - ``arrow_outputs._speedups`` (C) is used when it was compiled at install time;
   ``arrow_outputs._pyspeedups`` (its specification) otherwise.
@@ -24,6 +28,9 @@ from __future__ import annotations
 
 import os
 from types import ModuleType
+from typing import Any
+
+import pyarrow as pa
 
 from arrow_outputs import _pyspeedups
 from arrow_outputs.errors import UnsupportedValueError
@@ -33,7 +40,10 @@ __all__ = [
     "accelerated",
     "flatten_int_lists",
     "index_in_order",
+    "int_offsets",
     "mask_rows",
+    "record_batch",
+    "same_items",
     "set_pure_python",
     "split_int_lists",
     "str_list",
@@ -55,14 +65,45 @@ except ModuleNotFoundError as e:
 #: Whether the compiled module was built and imported (whichever path is in use now).
 AVAILABLE: bool = _compiled is not None
 
-# The five walks, rebound by set_pure_python; typed by the specification's signatures.
+# The walks and the assembly, rebound by set_pure_python; typed by the specification's
+# signatures.
 flatten_int_lists = _pyspeedups.flatten_int_lists
 utf8_array = _pyspeedups.utf8_array
 index_in_order = _pyspeedups.index_in_order
 str_list = _pyspeedups.str_list
 split_int_lists = _pyspeedups.split_int_lists
 mask_rows = _pyspeedups.mask_rows
+int_offsets = _pyspeedups.int_offsets
+same_items = _pyspeedups.same_items
+record_batch = _pyspeedups.record_batch
 _using_c = False
+
+
+def _c_record_batch(columns: list[Any], schema: pa.Schema, n: int) -> pa.RecordBatch:
+    """:func:`_pyspeedups.record_batch` in one import: the C module assembles every column's
+    ArrowArray (no copy) and pyarrow imports the tree against ``schema``, whose types it
+    already holds (one C Data Interface crossing instead of a constructor call per array).
+
+    An array column becomes a node only when it is of its field's type (``from_arrays``
+    would refuse it otherwise, and the import would read its buffers as the field's type);
+    any column a node cannot describe sends the whole batch to the specification.
+    """
+    if _compiled is None or len(columns) != len(schema):
+        return _pyspeedups.record_batch(columns, schema, n)
+    nodes = []
+    for i, col in enumerate(columns):
+        if type(col) is not tuple:
+            node = _pyspeedups.node_of(col) if col.type.equals(schema.field(i).type) else None
+            if node is None:
+                return _pyspeedups.record_batch(columns, schema, n)
+            col = node
+        nodes.append(col)
+    capsule, address = _compiled.build_array((n, 0, (None,), tuple(nodes)))
+    batch = pa.RecordBatch._import_from_c(address, schema)
+    del capsule  # moved into the batch by the import; releases the tree only if it was not
+    # The checks from_buffers and from_arrays make (buffer sizes, offsets against lengths).
+    batch.validate()
+    return batch
 
 
 def set_pure_python(flag: bool) -> None:
@@ -74,7 +115,7 @@ def set_pure_python(flag: bool) -> None:
         For ``False`` when the compiled module is not available (:data:`AVAILABLE`).
     """
     global flatten_int_lists, utf8_array, index_in_order, str_list, split_int_lists, mask_rows
-    global _using_c
+    global int_offsets, same_items, record_batch, _using_c
     impl = _pyspeedups
     if not flag:
         if _compiled is None:
@@ -91,6 +132,9 @@ def set_pure_python(flag: bool) -> None:
     str_list = impl.str_list
     split_int_lists = impl.split_int_lists
     mask_rows = impl.mask_rows
+    int_offsets = impl.int_offsets
+    same_items = impl.same_items
+    record_batch = _pyspeedups.record_batch if flag else _c_record_batch
     _using_c = not flag
 
 

@@ -32,9 +32,14 @@ import numpy as np
 import pyarrow as pa
 
 __all__ = [
+    "array_of",
     "flatten_int_lists",
     "index_in_order",
+    "int_offsets",
     "mask_rows",
+    "node_of",
+    "record_batch",
+    "same_items",
     "split_int_lists",
     "str_list",
     "utf8_array",
@@ -362,3 +367,130 @@ def mask_rows(
             dest[pos : pos + n] = ids
         pos += n
     return True
+
+
+def same_items(a: Any, b: Any, /) -> bool:
+    """Whether ``a`` and ``b`` are exact lists of the same length holding the very same
+    objects in order (``is``, never ``==``: no user code runs).
+
+    Examples
+    --------
+    >>> x, y = "req-0", "req-1"
+    >>> same_items([x, y], [x, y]), same_items([x, y], [y, x]), same_items([x], (x,))
+    (True, False, False)
+    """
+    if type(a) is not list or type(b) is not list or len(a) != len(b):
+        return False
+    return all(map(operator.is_, a, b))
+
+
+def int_offsets(values: Any, last: Any, /) -> bytes | None:
+    """int32 Arrow offsets from a list of ints: ``cu_num_generated_tokens`` as vLLM gives it.
+
+    Parameters
+    ----------
+    values
+        An exact ``list`` or ``tuple`` of exact ``int``.
+    last
+        The value the offsets must end at (the number of positions they index).
+
+    Returns
+    -------
+    bytes or None
+        ``len(values)`` little-endian int32 offsets. None unless ``values`` is non-empty,
+        starts at 0, never decreases and ends at ``last``, with ``0 <= last <= 2**31 - 1``.
+
+    Examples
+    --------
+    >>> np.frombuffer(int_offsets([0, 1, 3], 3), "<i4").tolist()
+    [0, 1, 3]
+    >>> int_offsets([0, 2, 1], 1) is None, int_offsets([0, True], 1) is None
+    (True, True)
+    """
+    last = _ssize(last)
+    if type(values) not in (list, tuple) or not values or not 0 <= last <= _INT32_MAX:
+        return None
+    if list(map(type, values)).count(int) != len(values):
+        return None
+    try:
+        arr = np.array(values, dtype="<i8")
+    except OverflowError:
+        return None
+    if arr[0] != 0 or arr[-1] != last or (len(arr) > 1 and bool((np.diff(arr) < 0).any())):
+        return None
+    return arr.astype("<i4").tobytes()
+
+
+# ------------------------------------------------------------------ whole-batch assembly
+#
+# A node describes one Arrow array without a type: ``(length, null_count, buffers,
+# children)``, ``buffers`` a tuple of None or buffer-protocol objects (offset 0 throughout),
+# ``children`` a tuple of nodes. The codec's hot columns are built as nodes; the C module's
+# ``build_array`` turns a batch of them into one ArrowArray tree that pyarrow imports against
+# the run's schema. :func:`record_batch` below is that assembly's specification: the same
+# batch through ``pyarrow.Array.from_buffers`` and ``RecordBatch.from_arrays``.
+
+Node = tuple[int, int, tuple[Any, ...], tuple[Any, ...]]
+
+
+def array_of(node: Node, t: pa.DataType) -> pa.Array:
+    """The array of type ``t`` that ``node`` describes (``pyarrow.Array.from_buffers``)."""
+    if isinstance(t, pa.BaseExtensionType):
+        return pa.ExtensionArray.from_storage(t, array_of(node, t.storage_type))
+    length, null_count, buffers, children = node
+    kids = [array_of(k, t.field(i).type) for i, k in enumerate(children)]
+    bufs = [b if b is None or isinstance(b, pa.Buffer) else pa.py_buffer(b) for b in buffers]
+    return pa.Array.from_buffers(t, length, bufs, null_count=null_count, children=kids)
+
+
+# Types whose layout a node states completely (no dictionary, no type-specific buffers).
+_NODE_LAYOUTS = (
+    pa.types.is_integer,
+    pa.types.is_floating,
+    pa.types.is_boolean,
+    pa.types.is_string,
+    pa.types.is_binary,
+    pa.types.is_list,
+    pa.types.is_large_list,
+    pa.types.is_fixed_size_list,
+    pa.types.is_struct,
+)
+
+
+def node_of(arr: pa.Array) -> Node | None:
+    """The node of an existing array (its own buffers, no copy), or None when a node cannot
+    say it: a slice, a device buffer, or a type outside :data:`_NODE_LAYOUTS`."""
+    if isinstance(arr, pa.ExtensionArray):
+        arr = arr.storage
+    t = arr.type
+    if arr.offset or not any(test(t) for test in _NODE_LAYOUTS):
+        return None
+    buffers = tuple(arr.buffers()[: t.num_buffers])
+    if any(b is not None and not b.is_cpu for b in buffers):
+        return None
+    if pa.types.is_struct(t):
+        parts = [arr.field(i) for i in range(t.num_fields)]
+    elif t.num_fields:
+        parts = [arr.values]
+    else:
+        parts = []
+    kids = []
+    for part in parts:
+        kid = node_of(part)
+        if kid is None:
+            return None
+        kids.append(kid)
+    return (len(arr), arr.null_count, buffers, tuple(kids))
+
+
+def record_batch(columns: list[Any], schema: pa.Schema, n: int) -> pa.RecordBatch:
+    """The batch of ``n`` rows whose columns are ``columns`` (nodes or arrays), in ``schema``.
+
+    Arrays must be of their field's type (``from_arrays`` refuses others); nodes are read as
+    their field's type, which their builder guarantees.
+    """
+    arrays = [
+        c if isinstance(c, pa.Array) else array_of(c, schema.field(i).type)
+        for i, c in enumerate(columns)
+    ]
+    return pa.RecordBatch.from_arrays(arrays, schema=schema)

@@ -13,7 +13,11 @@
  * - outputs are sized first, then filled, and the fill re-checks what it relies on;
  * - every acquired buffer is released on every path (one cleanup label per function);
  * - only index_in_order can run user code (__eq__), and it does so only on a path that
- *   works on its own references (see there).
+ *   works on its own references (see there); build_array's buffer requests may reach an
+ *   exporter's code (Python 3.12's __buffer__), which cannot change the tuples it walks.
+ *
+ * build_array is the exception to "None on bad data": its nodes are built by the codec, not
+ * read from the user, so a malformed node is a bug and raises TypeError / ValueError.
  *
  * Uses only the CPython C API. Compiles warning-free with -Wall -Wextra -Werror.
  */
@@ -693,6 +697,399 @@ done:
     return NULL;
 }
 
+/* same_items(a, b) -> bool
+ *
+ * Whether a and b are exact lists of the same length holding the very same objects, in
+ * order (identity, never __eq__: no user code runs). The codec reuses a run's last request-id
+ * column when a step's req_ids are the last step's objects. */
+static PyObject *
+same_items(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *a, *b;
+    Py_ssize_t n;
+
+    if (!check_nargs("same_items", nargs, 2)) {
+        return NULL;
+    }
+    a = args[0];
+    b = args[1];
+    if (!PyList_CheckExact(a) || !PyList_CheckExact(b)) {
+        Py_RETURN_FALSE;
+    }
+    n = PyList_GET_SIZE(a);
+    if (PyList_GET_SIZE(b) != n) {
+        Py_RETURN_FALSE;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (PyList_GET_ITEM(a, i) != PyList_GET_ITEM(b, i)) {
+            Py_RETURN_FALSE;
+        }
+    }
+    Py_RETURN_TRUE;
+}
+
+/* int_offsets(values, last) -> bytes | None
+ *
+ * int32 Arrow offsets from a Python list (or tuple) of exact ints that start at 0, never
+ * decrease and end at `last` (<= INT32_MAX): cu_num_generated_tokens as vLLM hands it over.
+ * None for anything else (a bool, a float, a decrease, the wrong end, too long): the caller's
+ * numpy path then raises the precise error. No user code runs: exact ints only. */
+static PyObject *
+int_offsets(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *seq, *out;
+    PyObject **items;
+    Py_ssize_t n, last;
+    long long prev = 0;
+    char *obuf;
+
+    if (!check_nargs("int_offsets", nargs, 2) || !ssize_arg(args[1], &last)) {
+        return NULL;
+    }
+    seq = args[0];
+    if (PyList_CheckExact(seq)) {
+        items = ((PyListObject *)seq)->ob_item;
+        n = PyList_GET_SIZE(seq);
+    }
+    else if (PyTuple_CheckExact(seq)) {
+        items = ((PyTupleObject *)seq)->ob_item;
+        n = PyTuple_GET_SIZE(seq);
+    }
+    else {
+        Py_RETURN_NONE;
+    }
+    if (n < 1 || last < 0 || last > OFFSET_MAX || n > PY_SSIZE_T_MAX / 4) {
+        Py_RETURN_NONE;
+    }
+    /* Sized first (from n), then one pass that checks and fills; the allocation runs no
+     * Python code, and the pass re-reads the list's size and items, so nothing read can have
+     * changed under it. */
+    out = PyBytes_FromStringAndSize(NULL, n * 4);
+    if (out == NULL) {
+        return NULL;
+    }
+    obuf = PyBytes_AS_STRING(out);
+    if (PyList_CheckExact(seq)) {
+        items = ((PyListObject *)seq)->ob_item;
+        if (PyList_GET_SIZE(seq) != n) {
+            goto none;
+        }
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *v = items[i];
+        int overflow;
+        long long x;
+        if (!PyLong_CheckExact(v)) {
+            goto none;
+        }
+        x = PyLong_AsLongLongAndOverflow(v, &overflow);
+        if (x == -1 && PyErr_Occurred()) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        if (overflow != 0 || (i == 0 && x != 0) || x < prev || x > (long long)last) {
+            goto none;
+        }
+        prev = x;
+        store_i32(obuf, i, (int32_t)x); /* within 0..last <= INT32_MAX */
+    }
+    if (prev != (long long)last) {
+        goto none;
+    }
+    return out;
+none:
+    Py_DECREF(out);
+    Py_RETURN_NONE;
+}
+
+/* ------------------------------------------------------------------ Arrow C Data Interface
+ *
+ * build_array(node) -> (capsule, address)
+ *
+ * A whole record batch's ArrowArray tree, assembled in one call from a tree of nodes
+ *     node = (length, null_count, buffers, children)
+ * where `buffers` is a tuple of None or objects with the buffer protocol (bytes, numpy arrays,
+ * pyarrow Buffers) and `children` a tuple of nodes. No data is copied: every buffer pointer
+ * is the object's own memory, and the object is held (a Py_buffer) until Arrow releases the
+ * array. The caller imports it with pyarrow.RecordBatch._import_from_c(address, schema) and
+ * validates it as from_buffers would; the capsule releases the tree if it was never imported.
+ *
+ * Checked here: the exact type and arity of every tuple, lengths and null counts within
+ * 0..INT64 (null_count <= length), the tree's depth and size, C-contiguous buffers. The
+ * buffers' sizes against the type are checked by pyarrow's validate() after the import
+ * (only the schema knows the type).
+ *
+ * Memory: one block per tree (PyMem_Raw: freed from any thread) holds every ArrowArray, the
+ * pointer arrays and the Py_buffers, with a reference count of one per node plus one for the
+ * capsule. Releasing a node releases its unreleased children, then drops its reference; the
+ * last reference gives the buffers back under the GIL and frees the block. So a consumer may
+ * move children out and release them in any order, as the interface allows. */
+
+#ifndef ARROW_C_DATA_INTERFACE
+#define ARROW_C_DATA_INTERFACE
+struct ArrowSchema;
+struct ArrowArray {
+    int64_t length;
+    int64_t null_count;
+    int64_t offset;
+    int64_t n_buffers;
+    int64_t n_children;
+    const void **buffers;
+    struct ArrowArray **children;
+    struct ArrowArray *dictionary;
+    void (*release)(struct ArrowArray *);
+    void *private_data;
+};
+#endif
+
+#define TREE_MAX_DEPTH 64
+#define TREE_MAX_NODES 65536
+#define NODE_MAX_BUFFERS 8
+
+typedef struct {
+    Py_ssize_t refs; /* atomic */
+    Py_ssize_t n_views;
+    Py_buffer *views;
+} ArrayBlock;
+
+static void
+block_decref(ArrayBlock *b)
+{
+    if (__atomic_sub_fetch(&b->refs, 1, __ATOMIC_ACQ_REL) != 0) {
+        return;
+    }
+    /* At interpreter exit the objects are gone with the interpreter: leave them. */
+    if (b->n_views > 0 && Py_IsInitialized()) {
+        PyGILState_STATE st = PyGILState_Ensure();
+        for (Py_ssize_t i = 0; i < b->n_views; i++) {
+            PyBuffer_Release(&b->views[i]);
+        }
+        PyGILState_Release(st);
+    }
+    PyMem_RawFree(b);
+}
+
+static void
+release_node(struct ArrowArray *a)
+{
+    if (a == NULL || a->release == NULL) {
+        return;
+    }
+    for (int64_t i = 0; i < a->n_children; i++) {
+        struct ArrowArray *c = a->children[i];
+        if (c != NULL && c->release != NULL) {
+            c->release(c);
+        }
+    }
+    a->release = NULL;
+    block_decref((ArrayBlock *)a->private_data);
+}
+
+typedef struct {
+    Py_ssize_t nodes, children, buffers, views;
+} TreeSize;
+
+/* Pass 1: check the tree's shape and count what it needs. */
+static int
+tree_measure(PyObject *node, int depth, TreeSize *sz)
+{
+    PyObject *bufs, *kids;
+    if (depth > TREE_MAX_DEPTH) {
+        PyErr_SetString(PyExc_ValueError, "build_array: nodes nested too deep");
+        return 0;
+    }
+    if (!PyTuple_CheckExact(node) || PyTuple_GET_SIZE(node) != 4) {
+        PyErr_SetString(PyExc_TypeError,
+                        "build_array: a node is a tuple (length, null_count, buffers, children)");
+        return 0;
+    }
+    bufs = PyTuple_GET_ITEM(node, 2);
+    kids = PyTuple_GET_ITEM(node, 3);
+    if (!PyLong_CheckExact(PyTuple_GET_ITEM(node, 0)) ||
+        !PyLong_CheckExact(PyTuple_GET_ITEM(node, 1)) || !PyTuple_CheckExact(bufs) ||
+        !PyTuple_CheckExact(kids)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "build_array: a node is (int, int, tuple of buffers, tuple of nodes)");
+        return 0;
+    }
+    if (++sz->nodes > TREE_MAX_NODES) {
+        PyErr_SetString(PyExc_ValueError, "build_array: too many nodes");
+        return 0;
+    }
+    if (PyTuple_GET_SIZE(bufs) > NODE_MAX_BUFFERS) { /* Arrow's layouts have at most 3 */
+        PyErr_SetString(PyExc_ValueError, "build_array: too many buffers in a node");
+        return 0;
+    }
+    sz->buffers += PyTuple_GET_SIZE(bufs);
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(bufs); i++) {
+        if (PyTuple_GET_ITEM(bufs, i) != Py_None) {
+            sz->views++;
+        }
+    }
+    sz->children += PyTuple_GET_SIZE(kids);
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(kids); i++) {
+        if (!tree_measure(PyTuple_GET_ITEM(kids, i), depth + 1, sz)) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+typedef struct {
+    ArrayBlock *block;
+    struct ArrowArray *arrays;
+    struct ArrowArray **child_ptrs;
+    const void **buf_ptrs;
+    TreeSize cap, used;
+} TreeFill;
+
+/* Pass 2: fill node `a` from `node` (shape proven by pass 1; the counts are re-checked
+ * against the capacity all the same). */
+static int
+tree_fill(PyObject *node, struct ArrowArray *a, TreeFill *f)
+{
+    PyObject *bufs = PyTuple_GET_ITEM(node, 2), *kids = PyTuple_GET_ITEM(node, 3);
+    Py_ssize_t nb = PyTuple_GET_SIZE(bufs), nk = PyTuple_GET_SIZE(kids);
+    long long length = PyLong_AsLongLong(PyTuple_GET_ITEM(node, 0));
+    long long nulls;
+    if (length == -1 && PyErr_Occurred()) {
+        return 0;
+    }
+    nulls = PyLong_AsLongLong(PyTuple_GET_ITEM(node, 1));
+    if (nulls == -1 && PyErr_Occurred()) {
+        return 0;
+    }
+    if (length < 0 || nulls < 0 || nulls > length) {
+        PyErr_Format(PyExc_ValueError,
+                     "build_array: length %lld and null_count %lld (expected 0 <= null_count "
+                     "<= length)",
+                     length, nulls);
+        return 0;
+    }
+    if (nb > f->cap.buffers - f->used.buffers || nk > f->cap.children - f->used.children) {
+        PyErr_SetString(PyExc_RuntimeError, "build_array: the tree changed while read");
+        return 0;
+    }
+    a->length = length;
+    a->null_count = nulls;
+    a->offset = 0;
+    a->n_buffers = nb;
+    a->n_children = nk;
+    a->buffers = f->buf_ptrs + f->used.buffers;
+    a->children = f->child_ptrs + f->used.children;
+    a->dictionary = NULL;
+    a->release = NULL; /* set by the caller once the whole tree is filled */
+    a->private_data = f->block;
+    f->used.buffers += nb;
+    f->used.children += nk;
+    for (Py_ssize_t i = 0; i < nb; i++) {
+        PyObject *obj = PyTuple_GET_ITEM(bufs, i);
+        Py_buffer *view;
+        if (obj == Py_None) {
+            a->buffers[i] = NULL;
+            continue;
+        }
+        if (f->used.views >= f->cap.views) {
+            PyErr_SetString(PyExc_RuntimeError, "build_array: the tree changed while read");
+            return 0;
+        }
+        view = &f->block->views[f->used.views];
+        if (PyObject_GetBuffer(obj, view, PyBUF_SIMPLE) < 0) {
+            return 0;
+        }
+        f->used.views++;
+        f->block->n_views = f->used.views; /* released on every path from here */
+        a->buffers[i] = view->buf;
+    }
+    for (Py_ssize_t i = 0; i < nk; i++) {
+        struct ArrowArray *child;
+        if (f->used.nodes >= f->cap.nodes) {
+            PyErr_SetString(PyExc_RuntimeError, "build_array: the tree changed while read");
+            return 0;
+        }
+        child = &f->arrays[f->used.nodes++];
+        a->children[i] = child;
+        if (!tree_fill(PyTuple_GET_ITEM(kids, i), child, f)) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+static void
+array_capsule_destructor(PyObject *capsule)
+{
+    struct ArrowArray *root = PyCapsule_GetPointer(capsule, "arrow_outputs.array");
+    if (root == NULL) {
+        PyErr_Clear();
+        return;
+    }
+    ArrayBlock *block = (ArrayBlock *)root->private_data;
+    release_node(root); /* never imported (or imported: moved out, release is NULL) */
+    block_decref(block);
+}
+
+static PyObject *
+build_array(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    TreeSize sz = {0, 0, 0, 0};
+    TreeFill f;
+    size_t bytes;
+    char *mem;
+    PyObject *capsule, *address, *result;
+
+    if (!check_nargs("build_array", nargs, 1) || !tree_measure(args[0], 0, &sz)) {
+        return NULL;
+    }
+    /* Counts are bounded by TREE_MAX_NODES nodes of tuples that exist: no overflow. */
+    bytes = sizeof(ArrayBlock) + (size_t)sz.nodes * sizeof(struct ArrowArray) +
+            (size_t)sz.children * sizeof(struct ArrowArray *) +
+            (size_t)sz.buffers * sizeof(void *) + (size_t)sz.views * sizeof(Py_buffer);
+    mem = PyMem_RawCalloc(1, bytes);
+    if (mem == NULL) {
+        return PyErr_NoMemory();
+    }
+    f.block = (ArrayBlock *)mem;
+    f.arrays = (struct ArrowArray *)(mem + sizeof(ArrayBlock));
+    f.child_ptrs = (struct ArrowArray **)(f.arrays + sz.nodes);
+    f.buf_ptrs = (const void **)(f.child_ptrs + sz.children);
+    f.block->views = (Py_buffer *)(f.buf_ptrs + sz.buffers);
+    f.block->n_views = 0;
+    f.block->refs = 1; /* the fill's own, until the tree is whole */
+    f.cap = sz;
+    f.used = (TreeSize){1, 0, 0, 0};
+    if (!tree_fill(args[0], &f.arrays[0], &f) || f.used.nodes != sz.nodes) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_RuntimeError, "build_array: the tree changed while read");
+        }
+        for (Py_ssize_t i = 0; i < f.block->n_views; i++) {
+            PyBuffer_Release(&f.block->views[i]);
+        }
+        PyMem_RawFree(mem);
+        return NULL;
+    }
+    /* Whole: one reference per node, plus the capsule's (dropped by its destructor). */
+    f.block->refs = sz.nodes + 1;
+    for (Py_ssize_t i = 0; i < sz.nodes; i++) {
+        f.arrays[i].release = release_node;
+    }
+    capsule = PyCapsule_New(&f.arrays[0], "arrow_outputs.array", array_capsule_destructor);
+    if (capsule == NULL) {
+        release_node(&f.arrays[0]);
+        block_decref(f.block);
+        return NULL;
+    }
+    address = PyLong_FromVoidPtr(&f.arrays[0]);
+    if (address == NULL) {
+        Py_DECREF(capsule);
+        return NULL;
+    }
+    result = PyTuple_Pack(2, capsule, address);
+    Py_DECREF(capsule);
+    Py_DECREF(address);
+    return result;
+}
+
 static PyMethodDef speedups_methods[] = {
     {"flatten_int_lists", (PyCFunction)(void (*)(void))flatten_int_lists, METH_FASTCALL,
      "flatten_int_lists(lists, n, itemsize, /)\n--\n\n"
@@ -711,13 +1108,23 @@ static PyMethodDef speedups_methods[] = {
      "The lists of ints of an Arrow list array's buffers, or None (see _pyspeedups)."},
     {"mask_rows", (PyCFunction)(void (*)(void))mask_rows, METH_FASTCALL,
      "Sampling-mask rows' supports into an int32 buffer (see _pyspeedups.mask_rows)."},
+    {"same_items", (PyCFunction)(void (*)(void))same_items, METH_FASTCALL,
+     "same_items(a, b, /)\n--\n\n"
+     "Whether two exact lists hold the same objects in order (see _pyspeedups)."},
+    {"int_offsets", (PyCFunction)(void (*)(void))int_offsets, METH_FASTCALL,
+     "int_offsets(values, last, /)\n--\n\n"
+     "int32 offsets bytes of a list of ints from 0 to last, or None (see _pyspeedups)."},
+    {"build_array", (PyCFunction)(void (*)(void))build_array, METH_FASTCALL,
+     "build_array(node, /)\n--\n\n"
+     "(capsule, address) of an ArrowArray tree over the nodes' buffers (see batch.py)."},
     {NULL, NULL, 0, NULL},
 };
 
 static PyModuleDef_Slot speedups_slots[] = {
 #if PY_VERSION_HEX >= 0x030C0000
-    /* No module state and no globals: safe in every interpreter. */
-    {Py_mod_multiple_interpreters, Py_MOD_PER_INTERPRETER_GIL_SUPPORTED},
+    /* build_array's release callback takes the GIL with PyGILState_Ensure, which knows only
+     * the main interpreter: the module is for one interpreter (as pyarrow is). */
+    {Py_mod_multiple_interpreters, Py_MOD_MULTIPLE_INTERPRETERS_NOT_SUPPORTED},
 #endif
 #ifdef Py_mod_gil
     /* The GIL is needed: the walks read lists and dicts through borrowed references. */

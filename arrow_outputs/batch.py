@@ -13,6 +13,7 @@ output field. Adding a vLLM field is a change in one place.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import json
@@ -24,7 +25,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import pyarrow as pa
 
-from . import _accel, _stepmeta
+from . import _accel, _pyspeedups, _stepmeta
 from ._checks import arange_offsets, describe, is_arange
 from ._jsonish import Dropped, from_jsonable, to_jsonable
 from .errors import (
@@ -36,6 +37,7 @@ from .errors import (
     UnsupportedValueError,
 )
 from .logprobs import (
+    _flat_values,
     decode_logprobs,
     decode_prompt_logprobs,
     encode_logprobs,
@@ -111,15 +113,55 @@ _SPEC = _stepmeta.step_spec(
 class _Run:
     """What one run schema implies, computed once: types, metadata, all-null columns."""
 
-    __slots__ = ("metadata", "null_columns", "schema", "types")
+    __slots__ = (
+        "arrow_types",
+        "last_req_ids",
+        "metadata",
+        "null_columns",
+        "null_nodes",
+        "schema",
+        "types",
+    )
 
     def __init__(self, schema: pa.Schema, types: ColumnTypes) -> None:
         self.schema = schema
         self.types = types
+        self.arrow_types: dict[str, pa.DataType] = dict(zip(schema.names, schema.types))
         self.metadata = dict(schema.metadata or {})
         # A batch's schema may be passed as a run schema: its step key is that step's, not ours.
         self.metadata.pop(KEY_STEP, None)
         self.null_columns: dict[int, dict[str, pa.Array]] = {}
+        self.null_nodes: dict[int, dict[str, Any]] = {}
+        # (a copy of the last step's req_ids, its req_id node): one tuple, so that a reader
+        # on another thread never pairs one step's ids with another's column.
+        self.last_req_ids: tuple[list[Any], Any] | None = None
+
+    def req_id_column(self, req_ids: list[Any]) -> Any:
+        """The req_id column; on the C path the last step's when req_ids holds the very same
+        str objects in the same order (vLLM's decode steps keep their requests), which were
+        proven exact strs with a UTF-8 form when that column was built."""
+        last = self.last_req_ids
+        if last is not None and _accel.accelerated() and _accel.same_items(req_ids, last[0]):
+            return last[1]
+        col = _req_id_array(req_ids)
+        if type(col) is tuple:  # a node: the C walk accepted every id
+            self.last_req_ids = (list(req_ids), col)
+        return col
+
+    def absent(self, n: int) -> dict[str, Any]:
+        """The all-null columns of ``n`` rows in the form the path assembles: nodes over the
+        cached arrays' buffers for the C assembly, the arrays themselves otherwise."""
+        if not _accel.accelerated():
+            return self.nulls(n)
+        nodes = self.null_nodes.get(n)
+        if nodes is None:
+            if len(self.null_nodes) > 64:
+                self.null_nodes.clear()
+            arrays = self.nulls(n)
+            nodes = self.null_nodes[n] = {
+                name: _pyspeedups.node_of(arr) or arr for name, arr in arrays.items()
+            }
+        return nodes
 
     def nulls(self, n: int) -> dict[str, pa.Array]:
         """All-null columns of ``n`` rows by name (absent fields); steps repeat sizes."""
@@ -190,6 +232,13 @@ def _req_index(n: int) -> pa.Array:
 
 
 @lru_cache(maxsize=64)
+def _req_index_node(n: int) -> Any:
+    values = np.arange(n, dtype=np.int32)
+    values.flags.writeable = False  # shared by every batch of n rows
+    return (n, 0, (None, values), ())
+
+
+@lru_cache(maxsize=64)
 def _range_list(n: int) -> list[int]:
     return list(range(n))
 
@@ -210,7 +259,8 @@ class _Enc(NamedTuple):
     req_id_to_index: dict[str, int]
     n: int
     types: ColumnTypes
-    nulls: dict[str, pa.Array]
+    nulls: dict[str, Any]  # absent columns: arrays, or nodes on the C assembly (_Run.absent)
+    arrow_types: dict[str, pa.DataType]
 
 
 def _get(obj: Any, name: str, cls: type) -> Any:
@@ -288,15 +338,13 @@ def _check_req_ids(req_ids: Any, index: Any) -> int:
     return n
 
 
-def _req_id_array(req_ids: list[Any]) -> pa.Array:
-    # The C walk, when built; the pure path is pyarrow's own (faster than _pyspeedups, which
-    # is the C code's specification, not a production path).
+def _req_id_array(req_ids: list[Any]) -> Any:
+    # The C walk, when built, as a node for the C assembly; the pure path is pyarrow's own
+    # (faster than _pyspeedups, which is the C code's specification, not a production path).
     fast = _accel.utf8_array(req_ids) if _accel.accelerated() else None
     if fast is not None:
         offsets, data = fast
-        return pa.Array.from_buffers(
-            pa.string(), len(req_ids), [None, pa.py_buffer(offsets), pa.py_buffer(data)]
-        )
+        return (len(req_ids), 0, (None, offsets, data), ())
     # Exactly str: pyarrow would turn bytes into a string silently.
     if list(map(type, req_ids)).count(str) != len(req_ids):
         i = next(i for i, r in enumerate(req_ids) if type(r) is not str)
@@ -318,14 +366,14 @@ def _utf8_ok(text: str) -> bool:
     return True
 
 
-def _step_column(n: int, step: int | None) -> tuple[pa.Array, np.ndarray]:
-    """The step column over a fresh buffer: that buffer is the batch's identity (_stepmeta)."""
-    values = np.full(max(n, 1), 0 if step is None else step, dtype=np.int64)
-    validity = None if step is not None else _no_valid_bits(n)
-    arr = pa.Array.from_buffers(
-        pa.int64(), n, [validity, pa.py_buffer(values)], null_count=0 if step is not None else n
-    )
-    return arr, values
+def _step_column(n: int, step: int | None) -> tuple[Any, np.ndarray]:
+    """The step column's node over a fresh buffer: that buffer is the batch's identity
+    (_stepmeta)."""
+    values = np.empty(max(n, 1), dtype=np.int64)  # empty + fill: np.full is Python-level
+    values.fill(0 if step is None else step)
+    if step is None:
+        return (n, n, (_no_valid_bits(n), values), ()), values
+    return (n, 0, (None, values), ()), values
 
 
 def _keyed_rows(d: Any, index: dict[str, int], n: int, field: str) -> tuple[list[Any], list[int]]:
@@ -349,21 +397,20 @@ def _keyed_rows(d: Any, index: dict[str, int], n: int, field: str) -> tuple[list
 
 def _enc_sampled(c: _Enc) -> tuple[pa.Array, Any]:
     st = _get(c.output, "sampled_token_ids", ModelRunnerOutput)
-    n, id_type, null_column = c.n, c.types.sampled_token_ids, c.nulls["sampled_token_ids"]
+    n, id_type = c.n, c.types.sampled_token_ids
     if type(st) is not list:
         raise FieldTypeError("sampled_token_ids", "a list of lists of int", describe(st))
     if not st:
         # A pooling step: no sampled ids at all, while requests exist.
-        return null_column, "none"
-    t = null_column.type
+        return c.nulls["sampled_token_ids"], "none"
     itemsize = 4 if id_type == "int32" else 8
     fast = _accel.flatten_int_lists(st, n, itemsize) if _accel.accelerated() else None
     if fast is not None:
+        # A node: the C path assembles the batch; itemsize is the run type's.
         values_bytes, offsets_bytes = fast
-        count = len(values_bytes) // itemsize
-        values = pa.Array.from_buffers(t.value_type, count, [None, pa.py_buffer(values_bytes)])
-        arr = pa.Array.from_buffers(t, n, [None, pa.py_buffer(offsets_bytes)], children=[values])
-        return arr, "lists"
+        values_node = (len(values_bytes) // itemsize, 0, (None, values_bytes), ())
+        return (n, 0, (None, offsets_bytes), (values_node,)), "lists"
+    t = c.arrow_types["sampled_token_ids"]
     # The slow path: the same batch, or the precise error for what the fast path refused.
     if len(st) != n:
         raise ShapeError("sampled_token_ids", f"{n} lists (one per request) or []", f"{len(st)}")
@@ -415,6 +462,7 @@ def _enc_logprobs(c: _Enc) -> tuple[pa.Array, Any]:
         id_type=c.types.logprob_token_ids,
         rank_type=c.types.logprob_ranks,
         num_rows=c.n,
+        as_node=_accel.accelerated(),
     )
 
 
@@ -484,7 +532,9 @@ def _enc_masks(c: _Enc) -> tuple[pa.Array, Any]:
     masks = _get(c.output, "sampling_masks", ModelRunnerOutput)
     if masks is None:
         return c.nulls["sampling_mask"], None
-    return encode_sampling_masks(masks, "sampling_masks", num_rows=c.n)
+    return encode_sampling_masks(
+        masks, "sampling_masks", num_rows=c.n, as_node=_accel.accelerated()
+    )
 
 
 def _enc_aux(c: _Enc) -> tuple[pa.Array, Any]:
@@ -535,7 +585,7 @@ def _enc_aux(c: _Enc) -> tuple[pa.Array, Any]:
     )
     valid = np.fromiter((t is not None for t in tensors), dtype=bool, count=n)
     validity = None if valid.all() else pa.py_buffer(np.packbits(valid, bitorder="little"))
-    aux_type = c.nulls["aux_output"].type
+    aux_type = c.arrow_types["aux_output"]
     arr = pa.Array.from_buffers(aux_type, n, [validity], children=[pa.array(starts), rows_arr])
     return arr, {"kind": kind}
 
@@ -588,27 +638,24 @@ def _dec_sampled(c: _Dec, col: pa.Array, mode: str) -> Any:
         )
     offs = list_offsets(col, np.int32)  # monotonic and in bounds: validated (or trusted)
     lo, hi = int(offs[0]), int(offs[-1])
-    if col.values.null_count or not 0 <= lo <= hi <= len(col.values):
+    child_col = col.values  # fetched once: pyarrow's accessors cost more than the checks
+    if child_col.null_count or not 0 <= lo <= hi <= len(child_col):
         raise SchemaMismatchError(
             "sampled_token_ids", "token ids within the values, none null", f"ids {lo}..{hi}"
         )
-    values = _values_of(col.values, lo, hi)
+    child = _flat_values(child_col)  # the run schema's int32/int64 (checked), zero-copy
+    values = child[lo:hi]
     n = len(col)
     if n and is_arange(offs, int(offs[1]) - lo):
         # Uniform lengths (every decode step without speculation): one C-level tolist.
         return values.reshape(n, -1).tolist()
     if _accel.accelerated():
-        child = col.values.to_numpy()
         fast = _accel.split_int_lists(child, offs, child.dtype.itemsize, n)
         if fast is not None:
             return fast
     flat = values.tolist()
     bounds = (offs - lo).tolist()
     return [flat[a:b] for a, b in itertools.pairwise(bounds)]
-
-
-def _values_of(child: pa.Array, lo: int, hi: int) -> np.ndarray:
-    return child.to_numpy()[lo:hi] if hi > lo else child.to_numpy()[:0]
 
 
 def _dec_logprobs(c: _Dec, col: pa.Array, layout: dict[str, Any]) -> Any:
@@ -811,11 +858,12 @@ def encode_step(
             "metadata", "None when a schema is given (run metadata lives in the schema)", "a dict"
         )
     run = _run_of(schema)
-    ctx = _Enc(output, req_ids, index, n, run.types, run.nulls(n))
+    ctx = _Enc(output, req_ids, index, n, run.types, run.absent(n), run.arrow_types)
     # "rows" lets a reader notice step metadata that belongs to another batch.
     meta: dict[str, Any] = {"step": step, "rows": n}
     step_col, identity = _step_column(n, step)
-    arrays = [step_col, _req_id_array(req_ids), _req_index(n)]
+    req_index = _req_index_node(n) if _accel.accelerated() else _req_index(n)
+    arrays = [step_col, run.req_id_column(req_ids), req_index]
     for name, codec in _CODECS.items():
         if prebuilt and name in prebuilt:
             arr, meta[codec.meta_key] = prebuilt[name]
@@ -831,7 +879,7 @@ def encode_step(
     _stepmeta.register(identity, raw)
     run_meta = run.metadata.copy()
     run_meta[KEY_STEP] = raw
-    return pa.RecordBatch.from_arrays(arrays, schema=schema.with_metadata(run_meta))
+    return _accel.record_batch(arrays, schema.with_metadata(run_meta), n)
 
 
 def _step_number(step: Any) -> int | None:
@@ -973,7 +1021,8 @@ def step_metadata(
         metadata is read off the columns instead (``docs/schema.md`` lists the defaults).
     """
     meta, _ = _resolve(batch, custom_metadata, missing_step_metadata)
-    return meta
+    # A copy: parsed step JSON shares its nested values with the parse cache (_stepmeta).
+    return copy.deepcopy(meta)
 
 
 def _resolve(
@@ -1050,7 +1099,7 @@ def _check_rows(batch: pa.RecordBatch, meta: dict[str, Any], head_slice_ok: bool
     for name in ("req_id", "req_index"):
         if batch.column(_AT[name]).null_count:
             raise SchemaMismatchError(name, "no nulls (a non-nullable column)", "nulls")
-    index = batch.column(_AT["req_index"]).to_numpy()
+    index = _flat_values(batch.column(_AT["req_index"]))  # int32 (schema checked)
     arange = len(index) == 0 or (int(index[0]) == 0 and is_arange(index))
     if n == rows and arange:
         return None
@@ -1100,7 +1149,7 @@ def _check_step_column(col: pa.Array, step: int | None) -> None:
         return
     if col.null_count:
         raise _claim("step", f"step {step} in every row", col)
-    values = col.to_numpy()
+    values = _flat_values(col)  # int64 (schema checked)
     if len(values) and not (values == step).all():
         bad = values[values != step][0]
         raise StepMetadataError(

@@ -37,9 +37,14 @@ SAMPLING_MASK_TYPE = pa.list_(pa.large_list(pa.int32()))
 
 
 def encode_sampling_masks(
-    m: Any, field: str = "sampling_masks", *, num_rows: int | None = None
-) -> tuple[pa.ListArray, dict[str, Any]]:
-    """Encode; also return what the array cannot hold (whether offsets / cu were None)."""
+    m: Any, field: str = "sampling_masks", *, num_rows: int | None = None, as_node: bool = False
+) -> tuple[Any, dict[str, Any]]:
+    """Encode; also return what the array cannot hold (whether offsets / cu were None).
+
+    ``as_node``: return the column as a node for the C assembly
+    (:func:`arrow_outputs._pyspeedups.record_batch`) instead of an array (the column's type
+    is fixed: :data:`SAMPLING_MASK_TYPE`).
+    """
     if not hasattr(m, "token_ids") or not hasattr(m, "offsets"):
         raise FieldTypeError(field, "a SamplingMaskLists", describe(m))
     token_ids, dt = host_array(m.token_ids, f"{field}.token_ids")
@@ -73,6 +78,9 @@ def encode_sampling_masks(
             f"masks for {n} ({num_pos} positions, cu_num_generated_tokens "
             f"{'given' if layout['cu'] else 'None'})",
         )
+    if as_node:
+        ids_node = (len(token_ids), 0, (None, token_ids), ())
+        return (n, 0, (None, outer), ((num_pos, 0, (None, csr), (ids_node,)),)), layout
     inner = pa.Array.from_buffers(
         pa.large_list(pa.int32()),
         num_pos,
@@ -125,7 +133,7 @@ def decode_sampling_masks(arr: pa.Array, layout: dict[str, Any], field: str) -> 
     end = values.offset + hi
     if buf is None or buf.size < end * 4:
         raise OffsetsError(f"{field}.token_ids", f"a buffer of {end} int32 values", "a shorter one")
-    token_ids = np.frombuffer(buf, np.int32, count=end)[values.offset + lo :]
+    token_ids = np.frombuffer(memoryview(buf), np.int32, count=end)[values.offset + lo :]
     # Rebase only when the array was sliced: a copy then, since offsets must start at 0.
     offsets = csr if lo == 0 else csr - lo
     if layout.get("cu", True):

@@ -3,8 +3,9 @@
 vLLM moves ``ModelRunnerOutput`` between processes with pickle protocol 5 and out-of-band
 buffers (``pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)`` in the sender,
 ``pickle.loads(data, buffers=buffers)`` in the receiver). This script times, per workload
-and for each path of the codec (the compiled accelerator, "C", and the pure-Python
-fallback, switched at run time with ``arrow_outputs._accel.set_pure_python``):
+and for each path of the codec (the compiled accelerator, "C": the walks over Python
+objects in C and each batch assembled in one Arrow C Data Interface import; and the
+pure-Python fallback; switched at run time with ``arrow_outputs._accel.set_pure_python``):
 
 * encode: ``arrow_outputs.to_record_batch(out, step=i, schema=run_schema)`` (the run's
   schema fixed by its first batch) against ``pickle.dumps`` as above;
@@ -75,8 +76,10 @@ from arrow_outputs import LogprobsLists, ModelRunnerOutput, SamplingMaskLists
 VOCAB = 128_256  # Llama 3's vocabulary: token ids need more than 16 bits
 NUM_LOGPROBS = 20  # width 21: the sampled token plus the top 20
 DECODE_SIZES = (1, 64, 256, 1024)
-SPEC_SIZES = (1, 1024)  # the targets hold "at every batch size": the smallest and largest
-MASK_SIZES = (1, 1024)
+# Every workload at every size: the targets' ends (1 and 1024) and where the fixed cost per
+# step stops dominating (64, 256).
+SPEC_SIZES = DECODE_SIZES
+MASK_SIZES = DECODE_SIZES
 MASK_MEAN_IDS = 50
 # Timed calls cycle through this many distinct steps of a workload, so a cache keyed on a
 # step's contents (its req_ids, say) cannot make every call after the first a hit.

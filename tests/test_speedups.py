@@ -47,7 +47,12 @@ FUNCS = (
     "str_list",
     "split_int_lists",
     "mask_rows",
+    "int_offsets",
+    "same_items",
 )
+# The whole-batch assembly: node helpers and the batch (pure Python), build_array (C); their
+# tests are in test_speed_assembly.py.
+ASSEMBLY = ("array_of", "node_of", "record_batch")
 I32 = (-(2**31), 2**31 - 1)
 I64 = (-(2**63), 2**63 - 1)
 
@@ -119,7 +124,9 @@ def test_speedups_same_functions_as_specification():
     for m in BOTH:
         for name in FUNCS:
             assert callable(getattr(m, name)), (m.__name__, name)
-    assert set(_pyspeedups.__all__) == set(FUNCS)
+    assert set(_pyspeedups.__all__) == set(FUNCS) | set(ASSEMBLY)
+    if _speedups is not None:
+        assert callable(_speedups.build_array)
 
 
 @pytest.mark.parametrize("name", FUNCS)
