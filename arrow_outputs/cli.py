@@ -14,7 +14,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from .errors import ArrowOutputsError
 
@@ -52,6 +52,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with usage errors as one line (and ``--help`` to say more)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _one_line(e: BaseException) -> str:
     text = " ".join(str(e).split())
     return text or type(e).__name__
@@ -60,7 +67,7 @@ def _one_line(e: BaseException) -> str:
 def _parser() -> argparse.ArgumentParser:
     from . import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog=PROG,
         description="vLLM model-runner outputs as Apache Arrow: run the demo engine, "
         "inspect, convert, recover and follow run files, serve them over Arrow Flight.",

@@ -86,9 +86,12 @@ def test_bad_files_and_arguments_give_one_line_and_no_traceback(run_path, tmp_pa
         assert result.returncode == code, (args, result.stderr)
         assert "Traceback" not in result.stderr, args
         assert result.stderr.strip(), args
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
         if code == 1:
-            assert len(result.stderr.strip().splitlines()) == 1, result.stderr
             assert result.stderr.startswith(f"arrow-outputs {args[0]}: error: ")
+        else:
+            assert "error:" in result.stderr
+            assert "--help" in result.stderr
 
 
 def test_convert_ipc_is_lossless(run_path, tmp_path, capsys):
