@@ -184,3 +184,29 @@ def test_cli_doc_lists_every_command_and_option():
             for option in action.option_strings:
                 if option.startswith("--") and option != "--help":
                     assert option in section, (name, option)
+
+
+def test_serve_runs_a_flight_server_that_takes_and_serves_runs(tmp_path):
+    import signal
+
+    from arrow_outputs.flight import FlightRunClient
+
+    env = {**os.environ, "AO_TEST_TOKEN": "s3cret"}
+    serve = ["serve", "--root", str(tmp_path), "--port", "0", "--token-env", "AO_TEST_TOKEN"]
+    with subprocess.Popen(
+        [sys.executable, "-m", "arrow_outputs", *serve],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    ) as proc:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert "token required" in line, line
+        location = line.split(" at ")[1].split(" ")[0]
+        with FlightRunClient(location, token="s3cret") as client:
+            client.put("cli-run", STEPS)
+            assert_steps(client.outputs("cli-run"))
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    assert_steps(ao.iter_outputs(tmp_path / "cli-run.arrows"))
