@@ -1,9 +1,12 @@
-"""Shared fixtures. GPU tests take ``cuda_device`` and skip cleanly without CUDA, so the same
-suite reruns unchanged on a machine with a GPU."""
+"""Shared fixtures and builders. GPU tests take ``cuda_device`` and skip cleanly without
+CUDA, so the same suite reruns unchanged on a machine with a GPU."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+
+from arrow_outputs import LogprobsLists, ModelRunnerOutput, SamplingMaskLists
 
 
 @pytest.fixture
@@ -25,3 +28,31 @@ def codec_path(request):
     _accel.set_pure_python(request.param == "python")
     yield request.param
     _accel.set_pure_python(not was)
+
+
+def decode_step(step: int, n: int, seed: int = 0) -> ModelRunnerOutput:
+    """A seeded decode step of ``n`` requests: 0-2 tokens each (speculative decoding), top-4
+    logprobs with ``cu_num_generated_tokens``, a NaN count for the first request only (so
+    the column has values and nulls), and CSR sampling masks."""
+    rng = np.random.default_rng([seed, step])
+    ids = [f"req-{step}-{i}" for i in range(n)]
+    counts = rng.integers(0, 3, n)
+    cu = [0, *np.cumsum(counts).tolist()]
+    positions = cu[-1]
+    return ModelRunnerOutput(
+        ids,
+        {r: i for i, r in enumerate(ids)},
+        [rng.integers(0, 1000, c).tolist() for c in counts],
+        LogprobsLists(
+            rng.integers(0, 1000, (positions, 4)).astype(np.int64),
+            -rng.random((positions, 4)).astype(np.float32),
+            rng.integers(1, 10, positions).astype(np.int64),
+            cu,
+        ),
+        num_nans_in_logits={ids[0]: 0} if ids else {},
+        sampling_masks=SamplingMaskLists(
+            np.arange(2 * positions, dtype=np.int32),
+            np.arange(0, 2 * positions + 1, 2, dtype=np.int64),
+            cu,
+        ),
+    )

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pyarrow as pa
 import pytest
+from conftest import decode_step
 
 import arrow_outputs as ao
 
@@ -12,34 +12,9 @@ pl = pytest.importorskip("polars")
 duckdb = pytest.importorskip("duckdb")
 
 
-def _step(step: int, n: int, rng: np.random.Generator) -> ao.ModelRunnerOutput:
-    ids = [f"req-{i}" for i in range(n)]
-    counts = rng.integers(0, 3, n)
-    cu = [0, *np.cumsum(counts).tolist()]
-    positions = cu[-1]
-    return ao.ModelRunnerOutput(
-        ids,
-        {r: i for i, r in enumerate(ids)},
-        [rng.integers(0, 100, c).tolist() for c in counts],
-        ao.LogprobsLists(
-            rng.integers(0, 100, (positions, 3)).astype(np.int64),
-            -rng.random((positions, 3)).astype(np.float32),
-            rng.integers(1, 10, positions).astype(np.int64),
-            cu,
-        ),
-        num_nans_in_logits={ids[0]: 0} if ids else {},
-        sampling_masks=ao.SamplingMaskLists(
-            np.arange(2 * positions, dtype=np.int32),
-            np.arange(0, 2 * positions + 1, 2, dtype=np.int64),
-            cu,
-        ),
-    )
-
-
 @pytest.fixture
 def run_file(tmp_path):
-    rng = np.random.default_rng(0)
-    steps = [_step(s, n, rng) for s, n in enumerate((3, 5, 0, 4))]
+    steps = [decode_step(s, n) for s, n in enumerate((3, 5, 0, 4))]
     schema = ao.infer_schema(steps[0], metadata={"model": "toy"})
     path = tmp_path / "run.arrow"
     with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:

@@ -13,37 +13,12 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
+from conftest import decode_step as make_step
 
 import arrow_outputs as ao
 from arrow_outputs.writer import KEY_END, KEY_PROGRESS
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def make_step(step: int, n: int, seed: int = 0) -> ao.ModelRunnerOutput:
-    """A decode step with logprobs, spec-decode positions, NaN counts and masks."""
-    rng = np.random.default_rng([seed, step])
-    ids = [f"req-{step}-{i}" for i in range(n)]
-    counts = rng.integers(0, 3, n)
-    cu = [0, *np.cumsum(counts).tolist()]
-    positions = cu[-1]
-    return ao.ModelRunnerOutput(
-        ids,
-        {r: i for i, r in enumerate(ids)},
-        [rng.integers(0, 1000, c).tolist() for c in counts],
-        ao.LogprobsLists(
-            rng.integers(0, 1000, (positions, 4)).astype(np.int64),
-            -rng.random((positions, 4)).astype(np.float32),
-            rng.integers(1, 10, positions).astype(np.int64),
-            cu,
-        ),
-        num_nans_in_logits={r: 0 for r in ids},
-        sampling_masks=ao.SamplingMaskLists(
-            np.arange(2 * positions, dtype=np.int32),
-            np.arange(0, 2 * positions + 1, 2, dtype=np.int64),
-            cu,
-        ),
-    )
 
 
 STEPS = [make_step(s, n) for s, n in enumerate((3, 5, 0, 4, 1))]
@@ -188,20 +163,25 @@ def test_schema_fixed_at_first_step(tmp_path):
         writer.close()
 
 
+class Gated(ao.AsyncModelRunnerOutput):
+    """An async output whose result waits for ``gate``: it holds the writer's thread."""
+
+    def __init__(self, gate: threading.Event):
+        self.gate = gate
+
+    def get_output(self):
+        self.gate.wait(10)
+        return STEPS[1]
+
+    def get_kv_connector_output(self):
+        return None
+
+
 def test_drop_policy_counts_drops_in_the_file(tmp_path):
     gate = threading.Event()
-
-    class Slow(ao.AsyncModelRunnerOutput):
-        def get_output(self):
-            gate.wait(10)
-            return STEPS[1]
-
-        def get_kv_connector_output(self):
-            return None
-
     path = tmp_path / "run.arrows"
     writer = ao.OutputWriter(path, queue_size=1, on_full="drop")
-    writer.write(Slow())  # taken by the thread, which then waits
+    writer.write(Gated(gate))  # taken by the thread, which then waits
     deadline = time.monotonic() + 5
     while writer.stats.queued and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -221,17 +201,8 @@ def test_drop_policy_counts_drops_in_the_file(tmp_path):
 
 def test_block_policy_applies_back_pressure(tmp_path):
     gate = threading.Event()
-
-    class Slow(ao.AsyncModelRunnerOutput):
-        def get_output(self):
-            gate.wait(10)
-            return STEPS[1]
-
-        def get_kv_connector_output(self):
-            return None
-
     writer = ao.OutputWriter(tmp_path / "run.arrows", queue_size=1)
-    writer.write(Slow())
+    writer.write(Gated(gate))
     while writer.stats.queued:
         time.sleep(0.01)
     writer.write(STEPS[0])
