@@ -44,6 +44,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.run(args) or 0)
+    except BrokenPipeError:
+        # The reader went away (`arrow-outputs inspect run.arrow | head`): stop quietly, as
+        # the Python docs advise, without a second error when stdout is flushed at exit.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
     except (ArrowOutputsError, OSError, _Failed) as e:
         print(f"{PROG} {args.command}: error: {_one_line(e)}", file=sys.stderr)
         return 1
