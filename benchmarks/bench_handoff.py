@@ -7,16 +7,20 @@ whole machine). The producer waits for the consumer's acknowledgement before the
 (outside the timed span), so no step queues behind another.
 
 Baseline (``vLLM``): vLLM's ``MessageQueue`` over its ``ShmRingBuffer``, re-implemented here
-from ``vllm/distributed/device_communicators/shm_broadcast.py`` (vLLM main, 2025-26, the
+from ``vllm/distributed/device_communicators/shm_broadcast.py`` (vLLM 0.2x-0.33, the
 path that moves ``ModelRunnerOutput`` from a worker to the engine core in
 ``MultiprocExecutor``): ``pickle.dumps(obj, protocol=HIGHEST_PROTOCOL,
 buffer_callback=oob_callback)`` where buffers of 1 MiB or more go out of band, written into
 a ring chunk as ``[overflow byte][2-byte buffer count][4-byte length, bytes]...``, one
 written flag and one read flag per reader per chunk, readers spinning with
 ``os.sched_yield()``; the reader calls ``pickle.loads(buf0, buffers=rest)`` on slices of
-the shared chunk and then sets its read flag. Left out: the ZeroMQ overflow path (for
-messages larger than a chunk: none here) and the torch tensor reducer (these outputs hold
-numpy arrays and lists, as the worker's ``ModelRunnerOutput`` does after ``tolist()``).
+the shared chunk and then sets its read flag. Readers are always in the busy mode of vLLM's
+``SpinCondition`` (``sched_yield()`` while the last read is under ``busy_loop_s`` = 1 s old,
+which every timed step is). Left out, each of which could only add to vLLM's time: the
+ZeroMQ overflow path (for messages larger than a chunk: none here), ``SpinCondition``'s
+writer-side notification over a ZeroMQ socket and its idle mode, and the torch tensor
+reducer (these outputs hold numpy arrays and lists, as the worker's ``ModelRunnerOutput``
+does after ``tolist()``).
 Its consumer "has it" when ``dequeue`` returns the ``ModelRunnerOutput``; that object
 serves both kinds of consumer.
 
@@ -117,7 +121,7 @@ class ShmRingBuffer:
             self.shared_memory = shared_memory.SharedMemory(
                 create=True, size=self.total_bytes_of_buffer
             )
-            self.shared_memory.buf[self.metadata_offset :] = bytes(
+            self.shared_memory.buf[self.metadata_offset :] = bytes(  # type: ignore[index]
                 self.total_bytes_of_buffer - self.metadata_offset
             )
         else:
@@ -132,13 +136,16 @@ class ShmRingBuffer:
     @contextmanager
     def get_data(self, current_idx: int) -> Iterator[memoryview]:
         start = self.data_offset + current_idx * self.max_chunk_bytes
-        with memoryview(self.shared_memory.buf[start : start + self.max_chunk_bytes]) as buf:
+        # As vLLM has it (typeshed's buf is Optional: it is not None while the segment is open).
+        chunk = self.shared_memory.buf[start : start + self.max_chunk_bytes]  # type: ignore[index]
+        with memoryview(chunk) as buf:
             yield buf
 
     @contextmanager
     def get_metadata(self, current_idx: int) -> Iterator[memoryview]:
         start = self.metadata_offset + current_idx * self.metadata_size
-        with memoryview(self.shared_memory.buf[start : start + self.metadata_size]) as buf:
+        meta = self.shared_memory.buf[start : start + self.metadata_size]  # type: ignore[index]
+        with memoryview(meta) as buf:
             yield buf
 
     def close(self) -> None:
@@ -277,6 +284,8 @@ def consumer_main(kind: str, ctl_name: str, transport: Any) -> None:
 
         def recv() -> Any:
             step = sub.next(timeout=60)
+            if step is None:
+                raise RuntimeError("the run ended early")
             return step if kind == "columnar" else step.output()
 
     ctl[C_READY] = 1
@@ -429,7 +438,11 @@ def main() -> int:
             for cfg in CONFIGS:
                 kind, send = senders[cfg]
                 for seed in range(VARIANTS):
-                    consumers[kind].block(CHECK, 1, lambda _i, s=seed, f=send: f(s), n, seed)
+
+                    def check(_i: int, s: int = seed, f: Callable[[int], None] = send) -> None:
+                        f(s)
+
+                    consumers[kind].block(CHECK, 1, check, n, seed)
             for kind, c in consumers.items():
                 if c.ctl[C_OK] != 0:
                     raise RuntimeError(f"{kind} consumer received a wrong step at n={n}")

@@ -20,16 +20,19 @@ import pyarrow as pa
 import pytest
 
 from arrow_outputs import (
+    ArrowOutputsError,
     FieldTypeError,
     LogprobsLists,
     ModelRunnerOutput,
     SchemaMismatchError,
     assert_outputs_equal,
+    from_record_batch,
     run_schema,
     to_record_batch,
 )
 from arrow_outputs.sharing import (
     CONTROL_NAME,
+    SCHEMA_NAME,
     CorruptSegmentError,
     ProducerGoneError,
     SharingError,
@@ -37,6 +40,7 @@ from arrow_outputs.sharing import (
     StepSubscriber,
     StepTimeoutError,
     SubscriberEvictedError,
+    _custom_metadata,
     remove_run,
 )
 
@@ -237,6 +241,135 @@ def test_released_slot_is_rewritten_in_place(run_dir: Path) -> None:
         assert len(slots) == 2
 
 
+def test_slot_files_and_writers_are_reused_step_after_step(run_dir: Path) -> None:
+    """No file, mapping or IPC writer is made per step once each slot has its file; each
+    slot still holds a plain IPC stream: schema.arrows' bytes, the batch, end of stream."""
+    with StepPublisher(run_dir, slots=3) as pub, StepSubscriber(run_dir) as sub:
+        for seq in range(1, 4):
+            pub.publish(_batch(seq))
+            assert sub.next(timeout=5) is not None
+        files = list(pub._files)
+        writers = [f.writer for f in files if f is not None]
+        inodes = sorted(os.stat(p).st_ino for p in run_dir.glob("slot-*"))
+        for seq in range(4, 13):
+            pub.publish(_batch(seq))
+            step = sub.next(timeout=5)
+            assert step is not None
+            assert _inside(step.batch, sub, seq)
+            assert_outputs_equal(step.output(), _step(seq))
+            del step
+        assert [f is g for f, g in zip(pub._files, files)] == [True] * 3
+        assert [f.writer for f in pub._files if f is not None] == writers
+        assert sorted(os.stat(p).st_ino for p in run_dir.glob("slot-*")) == inodes
+        assert [int(e[1]) for e in pub._slot_tab] == [1, 1, 1]  # S_GEN: first generation
+        schema_bytes = (run_dir / SCHEMA_NAME).read_bytes()
+        for slot, f in enumerate(pub._files):
+            assert f is not None
+            length = int(pub._slot_tab[slot][2])
+            raw = bytes(f.map[:length])
+            assert raw.startswith(schema_bytes)
+            assert raw.endswith(b"\xff\xff\xff\xff\x00\x00\x00\x00")
+            reader = pa.ipc.open_stream(raw)
+            batch, custom = reader.read_next_batch_with_custom_metadata()
+            seq = int(pub._slot_tab[slot][0])
+            assert_outputs_equal(from_record_batch(batch, custom_metadata=custom), _step(seq))
+            with pytest.raises(StopIteration):
+                reader.read_next_batch()
+
+
+def test_a_larger_step_gets_a_larger_slot_file(run_dir: Path) -> None:
+    big = ModelRunnerOutput(
+        req_ids=[f"r{i}" for i in range(3000)],
+        req_id_to_index={f"r{i}": i for i in range(3000)},
+        sampled_token_ids=[[i, i + 1] for i in range(3000)],
+    )
+    with StepPublisher(run_dir, slots=2) as pub, StepSubscriber(run_dir) as sub:
+        pub.publish(_batch(1))
+        pub.publish(_batch(2))
+        assert [s.seq for s in (sub.next(timeout=5), sub.next(timeout=5)) if s] == [1, 2]
+        small = pub._files[0]
+        assert small is not None
+        batch = to_record_batch(big, step=3, schema=pub.schema)
+        assert batch.nbytes > small.capacity  # cannot fit: a new, larger generation
+        pub.publish(batch)
+        step = sub.next(timeout=5)
+        assert step is not None
+        assert int(pub._slot_tab[0][1]) == 2
+        assert _inside(step.batch, sub, 3)
+        assert_outputs_equal(step.output(), big)
+        assert pub.stats.replaced_slots == 0  # grown, not replaced for a holder
+        assert len(list(run_dir.glob("slot-*"))) == 2
+
+
+def _sleeping(pub: StepPublisher) -> bool:
+    return any(r[6] and r[0] == 1 for r in pub._rows)  # R_SLEEPING of an ACTIVE row
+
+
+@pytest.mark.parametrize("closing", [False, True])
+def test_a_sleeping_subscriber_is_woken_through_its_fifo(
+    run_dir: Path, monkeypatch: pytest.MonkeyPatch, closing: bool
+) -> None:
+    """Past its spin, a subscriber sleeps on its FIFO; a publish (or the run's close) wakes
+    it. With the sleeper's own re-check pushed out to 60 s, only the FIFO can end its wait
+    before next()'s 20 s timeout."""
+    import threading
+
+    import arrow_outputs.sharing as sharing
+
+    monkeypatch.setattr(sharing, "_WAKE_CAP_S", 60.0)
+    got: list[Any] = []
+    with StepPublisher(run_dir) as pub, StepSubscriber(run_dir, spin_s=0.0) as sub:
+        fifos = list(run_dir.glob("wake-*"))
+        assert len(fifos) == 1
+        assert fifos[0].is_fifo()
+
+        def read() -> None:
+            try:
+                got.append(sub.next(timeout=20))
+            except Exception as e:  # reported to the main thread
+                got.append(e)
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        deadline = time.monotonic() + 10
+        while not _sleeping(pub) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert _sleeping(pub)
+        if closing:
+            pub.close(unlink=False)
+        else:
+            pub.publish(_batch(1))
+        reader.join(30)
+        assert not reader.is_alive()
+        assert pub.stats.wakeups == 1
+        if closing:
+            assert got == [None]
+        else:
+            assert got[0].seq == 1
+            assert_outputs_equal(got[0].output(), _step(1))
+        assert not _sleeping(pub)
+    assert not fifos[0].exists()  # the subscriber's close() removed its FIFO
+
+
+def test_publish_skips_the_fifo_of_a_subscriber_that_is_awake(run_dir: Path) -> None:
+    with StepPublisher(run_dir) as pub, StepSubscriber(run_dir) as sub:
+        for seq in range(1, 4):
+            pub.publish(_batch(seq))
+            assert sub.next(timeout=5) is not None
+        assert pub.stats.wakeups == 0  # no syscall on the publisher's side
+
+
+def test_remove_run_removes_a_dead_subscribers_fifo(run_dir: Path) -> None:
+    pub = StepPublisher(run_dir)
+    sub = StepSubscriber(run_dir)
+    assert len(list(run_dir.glob("wake-*"))) == 1
+    pub.close(unlink=False)
+    del sub  # (its close() removes the FIFO; a killed one leaves it)
+    os.mkfifo(run_dir / "wake-0003-00000000000000ff")
+    remove_run(run_dir)
+    assert not run_dir.exists()
+
+
 def test_slow_subscriber_is_evicted_after_the_bound(run_dir: Path) -> None:
     pub = StepPublisher(run_dir, slots=2, lag_timeout_s=0.05)
     slow = StepSubscriber(run_dir)
@@ -322,6 +455,7 @@ def test_publish_refuses_another_schema(run_dir: Path) -> None:
         pub.publish(_batch(1))
         out = _step(2)
         lp = out.logprobs
+        assert lp is not None
         out.logprobs = LogprobsLists(lp.logprob_token_ids.astype(np.int32), *lp[1:])
         other = to_record_batch(out, step=2)  # int32 logprob ids: another schema
         with pytest.raises(SchemaMismatchError, match="the run's schema"):
@@ -399,6 +533,124 @@ def test_corrupt_offsets_fail_full_validation(run_dir: Path) -> None:
         del bad
         with pytest.raises(SchemaMismatchError, match="full validation"):
             sub.next(timeout=5)
+
+
+def _message_metadata(custom: list[tuple[bytes, bytes]] | None) -> pa.Buffer:
+    """The flatbuffer of one record-batch message written by pyarrow with ``custom``."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, _schema()) as w:
+        kv = None if custom is None else pa.KeyValueMetadata(custom)
+        w.write_batch(_batch(1), custom_metadata=kv)
+    reader = pa.BufferReader(sink.getvalue())
+    pa.ipc.read_message(reader)  # the schema message
+    return pa.ipc.read_message(reader).metadata
+
+
+@pytest.mark.parametrize(
+    "custom",
+    [
+        None,
+        [],
+        [(b"arrow_outputs.step", b'{"step": 1}')],
+        [(b"a", b""), (b"", b"b"), (b"a", b"again"), (b"\x00\xff", b"x" * 5000)],
+    ],
+)
+def test_custom_metadata_reader_matches_pyarrow(custom: list[tuple[bytes, bytes]] | None) -> None:
+    meta = _message_metadata(custom)
+    assert _custom_metadata(memoryview(meta), "m") == (custom or [])
+    # The same through pyarrow's own stream reader.
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, _schema()) as w:
+        w.write_batch(_batch(1), custom_metadata=None if custom is None else dict(custom))
+    _, kv = pa.ipc.open_stream(sink.getvalue()).read_next_batch_with_custom_metadata()
+    assert dict(_custom_metadata(memoryview(meta), "m")) == dict(kv or {})
+
+
+def test_custom_metadata_reader_refuses_hostile_flatbuffers() -> None:
+    """Truncated and mutated message flatbuffers: a CorruptSegmentError or a list of byte
+    pairs, never another exception, never a read outside the bytes."""
+    meta = _message_metadata([(b"arrow_outputs.step", b"{}"), (b"k", b"v")]).to_pybytes()
+    for cut in range(len(meta)):
+        try:
+            got = _custom_metadata(meta[:cut], "m")
+        except CorruptSegmentError:
+            continue
+        assert all(isinstance(k, bytes) and isinstance(v, bytes) for k, v in got)
+    rng = np.random.default_rng(8)
+    messages: set[str] = set()
+    for _ in range(1500):
+        bad = bytearray(meta)
+        for at in rng.integers(0, len(bad), size=int(rng.integers(1, 4))):
+            bad[at] = int(rng.integers(0, 256))
+        try:
+            got = _custom_metadata(bytes(bad), "m")
+        except CorruptSegmentError as e:
+            messages.add(str(e).split(":")[0])
+            continue
+        assert all(isinstance(k, bytes) and isinstance(v, bytes) for k, v in got)
+        assert sum(len(k) + len(v) for k, v in got) <= len(bad)
+    assert messages == {"m custom_metadata"}  # refused, and only by the flatbuffer checks
+    with pytest.raises(CorruptSegmentError, match="flatbuffer within 8 bytes"):
+        _custom_metadata(b"\xff\xff\xff\x7f\x00\x00\x00\x00", "m")
+
+
+def test_lying_custom_metadata_offsets_in_a_slot_are_refused(run_dir: Path) -> None:
+    """A slot whose message flatbuffer lies is refused (by Arrow's flatbuffer check or by
+    the custom metadata reader), the step is skipped and later steps read fine."""
+    with StepPublisher(run_dir, slots=2) as pub, StepSubscriber(run_dir) as sub:
+        pub.publish(_batch(1))
+        f = pub._files[0]
+        assert f is not None
+        start = pub._schema_len + 8  # continuation marker and length, then the flatbuffer
+        f.map[start : start + 4] = (1 << 30).to_bytes(4, "little")  # root offset far away
+        with pytest.raises(CorruptSegmentError, match=r"slot 0 \(step 1\)"):
+            sub.next(timeout=5)
+        assert sub.position == 1
+        pub.publish(_batch(2))
+        step = sub.next(timeout=5)
+        assert step is not None
+        assert_outputs_equal(step.output(), _step(2))
+
+
+def test_end_of_stream_in_place_of_the_batch_is_refused(run_dir: Path) -> None:
+    with StepPublisher(run_dir, slots=2) as pub, StepSubscriber(run_dir) as sub:
+        pub.publish(_batch(1))
+        f = pub._files[0]
+        assert f is not None
+        start = pub._schema_len
+        f.map[start : start + 8] = b"\xff\xff\xff\xff\x00\x00\x00\x00"
+        with pytest.raises(CorruptSegmentError, match="end of stream"):
+            sub.next(timeout=5)
+        pub.publish(_batch(2))
+        step = sub.next(timeout=5)
+        assert step is not None
+        assert_outputs_equal(step.output(), _step(2))
+
+
+def test_mutated_slot_messages_give_only_our_errors(run_dir: Path) -> None:
+    """Random byte changes in a slot's batch message (header and body): every read either
+    returns a batch that passed full validation or raises an arrow_outputs error."""
+    rng = np.random.default_rng(88)
+    with StepPublisher(run_dir, slots=2) as pub, StepSubscriber(run_dir) as sub:
+        refused = 0
+        for i in range(300):
+            seq = pub.publish(_batch(1 + i % 5))
+            slot = (seq - 1) % 2
+            f = pub._files[slot]
+            assert f is not None
+            start, end = pub._schema_len, int(pub._slot_tab[slot][2]) - 8
+            span = min(end - start, 600) if i % 2 else end - start  # the header, or anywhere
+            for at in start + rng.integers(0, span, size=int(rng.integers(1, 5))):
+                f.map[int(at)] = int(rng.integers(0, 256))
+            try:
+                step = sub.next(timeout=5)
+            except ArrowOutputsError:
+                refused += 1
+                continue
+            assert step is not None
+            assert step.seq == seq
+        assert refused > 0
+        assert sub.position == pub.head  # refused steps are skipped, never retried
 
 
 def test_control_file_of_another_layout_is_refused(run_dir: Path) -> None:
