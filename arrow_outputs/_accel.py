@@ -38,10 +38,12 @@ from arrow_outputs.errors import UnsupportedValueError
 __all__ = [
     "AVAILABLE",
     "accelerated",
+    "decode_batch",
     "flatten_int_lists",
     "index_in_order",
     "int_offsets",
     "mask_rows",
+    "mask_supports",
     "record_batch",
     "same_items",
     "set_pure_python",
@@ -73,10 +75,26 @@ index_in_order = _pyspeedups.index_in_order
 str_list = _pyspeedups.str_list
 split_int_lists = _pyspeedups.split_int_lists
 mask_rows = _pyspeedups.mask_rows
+mask_supports = _pyspeedups.mask_supports
 int_offsets = _pyspeedups.int_offsets
 same_items = _pyspeedups.same_items
 record_batch = _pyspeedups.record_batch
 _using_c = False
+
+
+def _c_decode_batch(batch: pa.RecordBatch, *plan: Any) -> tuple[Any, ...] | None:
+    """The decoded objects of ``batch`` from one walk in C, or None (see
+    ``_speedups.decode_batch``): the batch is exported once through the C Data Interface
+    (its array only; the schema was checked in Python) and read there."""
+    assert _compiled is not None  # only bound when it was built
+    capsule, address = _compiled.array_slot()
+    batch._export_to_c(address)
+    return _compiled.decode_batch(capsule, batch.num_rows, *plan)
+
+
+#: The decode side's walk over a whole batch (C only); None on the pure-Python path, whose
+#: column decoders in ``arrow_outputs.batch`` are its specification.
+decode_batch: Any = None
 
 
 def _c_record_batch(columns: list[Any], schema: pa.Schema, n: int) -> pa.RecordBatch:
@@ -115,7 +133,7 @@ def set_pure_python(flag: bool) -> None:
         For ``False`` when the compiled module is not available (:data:`AVAILABLE`).
     """
     global flatten_int_lists, utf8_array, index_in_order, str_list, split_int_lists, mask_rows
-    global int_offsets, same_items, record_batch, _using_c
+    global int_offsets, same_items, record_batch, _using_c, mask_supports, decode_batch
     impl = _pyspeedups
     if not flag:
         if _compiled is None:
@@ -132,9 +150,11 @@ def set_pure_python(flag: bool) -> None:
     str_list = impl.str_list
     split_int_lists = impl.split_int_lists
     mask_rows = impl.mask_rows
+    mask_supports = impl.mask_supports
     int_offsets = impl.int_offsets
     same_items = impl.same_items
     record_batch = _pyspeedups.record_batch if flag else _c_record_batch
+    decode_batch = None if flag else _c_decode_batch
     _using_c = not flag
 
 

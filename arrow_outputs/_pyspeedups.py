@@ -37,6 +37,7 @@ __all__ = [
     "index_in_order",
     "int_offsets",
     "mask_rows",
+    "mask_supports",
     "node_of",
     "record_batch",
     "same_items",
@@ -494,3 +495,137 @@ def record_batch(columns: list[Any], schema: pa.Schema, n: int) -> pa.RecordBatc
         for i, c in enumerate(columns)
     ]
     return pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+
+def _format_kind(view: memoryview) -> str:
+    """A typed buffer's element kind: "i" signed integer, "u" unsigned, "" anything else
+    (several items, non-native byte order, floats, bool)."""
+    f = view.format
+    if f[:1] in ("@", "=", "<"):
+        f = f[1:]
+    if len(f) != 1:
+        return ""
+    if f in "bhilqn":
+        return "i"
+    if f in "BHILQN":
+        return "u"
+    return ""
+
+
+def _int_view(obj: Any, kind: str, itemsize: int, ndim: int) -> memoryview | None:
+    """``memoryview(obj)`` when it is a C-contiguous ``ndim``-D buffer of ``itemsize``-byte
+    integers of ``kind``; None otherwise (exporters' own errors propagate)."""
+    try:
+        view = memoryview(obj)
+    except TypeError:
+        return None
+    if view.ndim != ndim or view.itemsize != itemsize or _format_kind(view) != kind:
+        return None
+    return view if view.c_contiguous else None
+
+
+def _exact_int(x: Any, lo: int, hi: int) -> int | None:
+    return x if type(x) is int and lo <= x <= hi else None
+
+
+_MASK_SLACK = 8  # the C module's spare ids past the end (bounds its total the same way)
+
+
+def mask_supports(
+    token_ids: Any,
+    packed_mask: Any,
+    counts: Any,
+    vocab_size: Any,
+    rows_per_request: Any,
+    num_sampled: Any,
+    /,
+) -> tuple[bytearray, bytearray, bytearray | None] | None:
+    """The supports of a ``SamplingMaskTensors``' kept rows, from its fields as host buffers.
+
+    ``token_ids``: int32 ``[rows, width]``; ``packed_mask``: uint8
+    ``[rows, ceil(vocab_size / 8)]``; ``counts``: int32 ``[rows]``; ``rows`` a multiple of
+    ``rows_per_request``; ``num_sampled``: None (only with one row per request) or int32 /
+    int64 ``[rows // rows_per_request]``, each within ``0..rows_per_request`` when that is
+    above 1 (with 1 its values are not read). Every buffer C-contiguous, native byte order;
+    ``vocab_size`` an exact int within ``0..2**31``, ``rows_per_request`` one >= 1.
+
+    Slot ``s`` of request ``q`` (row ``q * rows_per_request + s``) is kept when
+    ``rows_per_request`` is 1 or ``s < num_sampled[q]``. A kept row with
+    ``counts[r] <= width`` gives its first ``counts[r]`` compact ids as they are; a wider one
+    the ids of the set bits of its bitmask row (little bit order, below ``vocab_size``),
+    which must number exactly ``counts[r]``.
+
+    Returns
+    -------
+    tuple of bytearray, or None
+        ``(ids, offsets, cu)``: int32 ids of every kept row in order, int64 offsets (one per
+        kept row after a leading 0), and with several rows per request int32 ``cu`` (the
+        running sum of ``num_sampled`` from 0), else None. None for any other input: a
+        buffer of another type, rank, shape or layout, a non-int or out-of-range argument,
+        a negative count or one past ``max(width, vocab_size)``, a bitmask row that
+        disagrees with its count.
+
+    Examples
+    --------
+    >>> tok = np.array([[3, 9], [0, 0]], np.int32)
+    >>> packed = np.array([[0, 0], [0b101, 0b1]], np.uint8)  # row 1: ids 0, 2, 8
+    >>> ids, offsets, cu = mask_supports(tok, packed, np.array([1, 3], np.int32), 10, 1, None)
+    >>> np.frombuffer(ids, "<i4").tolist(), np.frombuffer(offsets, "<i8").tolist(), cu
+    ([3, 0, 2, 8], [0, 1, 4], None)
+    """
+    vocab = _exact_int(vocab_size, 0, 2**31)
+    rpr = _exact_int(rows_per_request, 1, _SSIZE_MAX)
+    if vocab is None or rpr is None:
+        return None
+    tok = _int_view(token_ids, "i", 4, 2)
+    bits = _int_view(packed_mask, "u", 1, 2)
+    cnt = _int_view(counts, "i", 4, 1)
+    if tok is None or bits is None or cnt is None:
+        return None
+    ns: memoryview | None = None
+    if num_sampled is None:
+        if rpr != 1:
+            return None
+    else:
+        ns = _int_view(num_sampled, "i", 8, 1)
+        if ns is None:
+            ns = _int_view(num_sampled, "i", 4, 1)
+        if ns is None:
+            return None
+    tok_shape, bits_shape = tok.shape or (), bits.shape or ()  # never None: ndim >= 1
+    rows, width, row_bytes = len(cnt), tok_shape[1], (vocab + 7) // 8
+    if tok_shape[0] != rows or bits_shape != (rows, row_bytes) or rows % rpr:
+        return None
+    num_reqs = rows // rpr
+    if ns is not None and len(ns) != num_reqs:
+        return None
+    # Only rows_per_request > 1 reads num_sampled (with 1, vLLM keeps every row).
+    kept = ns.tolist() if ns is not None and rpr > 1 else [1] * num_reqs
+    lens = cnt.tolist()
+    most = max(width, vocab)  # a kept row holds at most this many ids
+    if any(not 0 <= k <= rpr for k in kept):
+        return None
+    rows_kept = [q * rpr + s for q, k in enumerate(kept) for s in range(k)]
+    if any(not 0 <= lens[r] <= most for r in rows_kept):
+        return None
+    total = sum(lens[r] for r in rows_kept)
+    if len(rows_kept) > _INT32_MAX or total > _SSIZE_MAX // 4 - _MASK_SLACK:
+        return None
+    tok_a = np.frombuffer(tok, dtype="<i4").reshape(rows, width)
+    bits_a = np.frombuffer(bits, dtype=np.uint8).reshape(rows, row_bytes)
+    supports = [np.zeros(0, "<i4")]
+    for r in rows_kept:
+        n = lens[r]
+        if n <= width:
+            supports.append(tok_a[r, :n])
+        else:
+            row = np.flatnonzero(np.unpackbits(bits_a[r], count=vocab, bitorder="little"))
+            if len(row) != n:
+                return None
+            supports.append(row.astype("<i4"))
+    offsets = np.zeros(len(rows_kept) + 1, "<i8")
+    np.cumsum([lens[r] for r in rows_kept], out=offsets[1:])
+    cu = None
+    if ns is not None and rpr > 1:
+        cu = bytearray(np.concatenate(([0], np.cumsum(kept))).astype("<i4").tobytes())
+    return bytearray(np.concatenate(supports).tobytes()), bytearray(offsets.tobytes()), cu

@@ -600,6 +600,81 @@ done:
     return result;
 }
 
+/* ----------------------------------------------------------------------------- masks
+ *
+ * Sampling-mask supports (arrow_outputs/mask_tensors.py): compact rows are copied, wide rows
+ * are read from their packed bitmask a 64-bit word at a time. */
+
+/* Set bits of a word. Portable SWAR: the extension is built for baseline x86-64, where
+ * __builtin_popcountll is a library call (no popcnt instruction without -mpopcnt). */
+static inline int
+popcount64(uint64_t x)
+{
+    x = x - ((x >> 1) & UINT64_C(0x5555555555555555));
+    x = (x & UINT64_C(0x3333333333333333)) + ((x >> 2) & UINT64_C(0x3333333333333333));
+    x = (x + (x >> 4)) & UINT64_C(0x0F0F0F0F0F0F0F0F);
+    return (int)((x * UINT64_C(0x0101010101010101)) >> 56);
+}
+
+/* Index of the lowest set bit; 63 for 0 (__builtin_ctzll(0) is undefined, and OR-ing bit 63
+ * never changes the answer for a non-zero word). */
+static inline int32_t
+low_bit(uint64_t x)
+{
+    return (int32_t)__builtin_ctzll(x | (UINT64_C(1) << 63));
+}
+
+/* Writes the ids of the set bits among the first `vocab` bits of `row` (little bit order)
+ * to out[0 ..) as int32, ascending, and returns how many there are; -1 (out unspecified) as
+ * soon as there are more than `n`. `room` (>= n) is how many ids `out` can take: while 8
+ * slots remain, a word's first 8 ids are written without looking at its bit count (slots
+ * past its last id get garbage, which the caller overwrites or drops), so a word costs no
+ * data-dependent branch unless it has more than 8 bits. vocab <= 2**31. */
+__attribute__((noinline)) /* keeps the row loops' registers free: wide rows are few */
+static Py_ssize_t
+bits_to_ids(const unsigned char *row, Py_ssize_t vocab, char *out, Py_ssize_t n,
+            Py_ssize_t room)
+{
+    Py_ssize_t found = 0, full = vocab / 64, rest = vocab % 64;
+    for (Py_ssize_t w = 0; w <= full; w++) {
+        uint64_t word = 0;
+        if (w < full) {
+            memcpy(&word, row + w * 8, 8); /* memcpy: rows need not be aligned */
+        }
+        else if (rest) {
+            memcpy(&word, row + w * 8, (size_t)((rest + 7) / 8));
+            word &= (UINT64_C(1) << rest) - 1; /* bits past vocab_size are ignored */
+        }
+        if (!word) {
+            continue;
+        }
+        int cnt = popcount64(word);
+        if (cnt > n - found) {
+            return -1;
+        }
+        int32_t base = (int32_t)(w * 64);
+        char *o = out + found * 4;
+        if (room - found >= 8) {
+            for (int i = 0; i < 8; i++) {
+                store_i32(o, i, base + low_bit(word));
+                word &= word - 1;
+            }
+            for (int i = 8; i < cnt; i++) {
+                store_i32(o, i, base + low_bit(word));
+                word &= word - 1;
+            }
+        }
+        else {
+            for (int i = 0; i < cnt; i++) {
+                store_i32(o, i, base + low_bit(word));
+                word &= word - 1;
+            }
+        }
+        found += cnt;
+    }
+    return found;
+}
+
 /* mask_rows(token_ids, width, packed, row_bytes, lens, vocab_size, out) -> bool
  *
  * The supports of sampling-mask rows, concatenated into `out` (int32): row r keeps its first
@@ -629,8 +704,7 @@ mask_rows(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
         goto done;
     }
     if (!have_t || !have_p || !have_l || !have_o || obuf.readonly || width < 0 || row_bytes < 0 ||
-        vocab < 0 ||
-        row_bytes < (vocab + 7) / 8 || lbuf.len % 4 || obuf.len % 4) {
+        vocab < 0 || row_bytes < (vocab + 7) / 8 || lbuf.len % 4 || obuf.len % 4) {
         goto answer;
     }
     {
@@ -653,28 +727,9 @@ mask_rows(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
                 if (n > 0) { /* memcpy of 0 bytes may still not be given NULL */
                     memcpy(out + pos * 4, tok + (r * width) * 4, (size_t)n * 4);
                 }
-                pos += n;
-                continue;
             }
-            const unsigned char *row = bits + r * row_bytes;
-            Py_ssize_t found = 0, nbytes = (vocab + 7) / 8;
-            for (Py_ssize_t b = 0; b < nbytes; b++) {
-                unsigned int byte = row[b];
-                while (byte) {
-                    Py_ssize_t id = b * 8 + __builtin_ctz(byte);
-                    byte &= byte - 1;
-                    if (id >= vocab) {
-                        break;
-                    }
-                    if (found == n) {
-                        goto answer; /* more set bits than the count */
-                    }
-                    store_i32(out, pos + found, (int32_t)id);
-                    found++;
-                }
-            }
-            if (found != n) {
-                goto answer;
+            else if (bits_to_ids(bits + r * row_bytes, vocab, out + pos * 4, n, cap - pos) != n) {
+                goto answer; /* more or fewer set bits than the count */
             }
             pos += n;
         }
@@ -695,6 +750,302 @@ done:
     if (have_l > 0) PyBuffer_Release(&lbuf);
     if (have_o > 0) PyBuffer_Release(&obuf);
     return NULL;
+}
+
+/* The element kind of a typed buffer's format: 'i' signed integer, 'u' unsigned integer, 0
+ * anything else (several items, non-native byte order, floats). As _pyspeedups._format_kind. */
+static char
+format_kind(const Py_buffer *view)
+{
+    const char *f = view->format == NULL ? "B" : view->format;
+    if (*f == '@' || *f == '=' || *f == '<') {
+        f++;
+    }
+    if (f[0] == '\0' || f[1] != '\0') {
+        return 0;
+    }
+    if (strchr("bhilqn", f[0]) != NULL) {
+        return 'i';
+    }
+    if (strchr("BHILQN", f[0]) != NULL) {
+        return 'u';
+    }
+    return 0;
+}
+
+/* A C-contiguous integer buffer of `ndim` dimensions whose items are `itemsize` bytes of
+ * kind `kind` ('i' or 'u'). Returns 1 with `view` held (the caller releases it), 0 when the
+ * object does not qualify (nothing held, no exception), -1 on an exporter's error. */
+static int
+get_ints(PyObject *obj, Py_buffer *view, char kind, Py_ssize_t itemsize, int ndim)
+{
+    if (PyObject_GetBuffer(obj, view, PyBUF_FULL_RO) < 0) {
+        if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+            PyErr_Clear();
+            return 0;
+        }
+        return -1;
+    }
+    if (view->ndim != ndim || view->itemsize != itemsize || format_kind(view) != kind ||
+        view->len < 0 || (view->len > 0 && view->buf == NULL) ||
+        !PyBuffer_IsContiguous(view, 'C')) {
+        PyBuffer_Release(view);
+        return 0;
+    }
+    return 1;
+}
+
+/* An exact int argument within lo .. hi (bool and other int subclasses refused). Returns 1
+ * with *out set, 0 when it does not qualify (no exception), -1 on error. */
+static int
+exact_int(PyObject *obj, Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t *out)
+{
+    int overflow;
+    long long v;
+    if (!PyLong_CheckExact(obj)) {
+        return 0;
+    }
+    v = PyLong_AsLongLongAndOverflow(obj, &overflow);
+    if (v == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (overflow || v < lo || v > hi) {
+        return 0;
+    }
+    *out = (Py_ssize_t)v;
+    return 1;
+}
+
+/* num_sampled[i], int32 or int64 (size 4 or 8) */
+static inline long long
+load_count(const char *p, Py_ssize_t size, Py_ssize_t i)
+{
+    if (size == 8) {
+        int64_t v;
+        memcpy(&v, p + i * 8, 8);
+        return (long long)v;
+    }
+    return (long long)load_i32(p, i);
+}
+
+#define MASK_SLACK 8 /* spare ids past the end of the ids buffer, for bits_to_ids */
+
+static inline void
+store_i64(char *p, Py_ssize_t i, int64_t v)
+{
+    memcpy(p + i * 8, &v, 8);
+}
+
+/* One SamplingMaskTensors' host fields, shapes checked: rows of `width` compact ids, of
+ * `row_bytes` bitmask bytes, and the counts. */
+typedef struct {
+    const char *tok;
+    const unsigned char *bits;
+    const char *counts;
+    Py_ssize_t width, row_bytes, vocab;
+} MaskRows;
+
+/* Writes kept row r's support to dst, which takes `left` ids (plus MASK_SLACK spare ones),
+ * and returns its count; -1 when the count is negative or past `left`, or (a wide row) its
+ * bitmask row does not hold exactly that many ids. */
+static inline Py_ssize_t
+mask_row(const MaskRows *m, Py_ssize_t r, char *dst, Py_ssize_t left)
+{
+    Py_ssize_t n = load_i32(m->counts, r);
+    if (n < 0 || n > left) {
+        return -1;
+    }
+    if (n <= m->width) {
+        if (n > 0) { /* memcpy of 0 bytes may still not be given NULL */
+            memcpy(dst, m->tok + r * m->width * 4, (size_t)n * 4);
+        }
+        return n;
+    }
+    return bits_to_ids(m->bits + r * m->row_bytes, m->vocab, dst, n, left + MASK_SLACK) == n ? n
+                                                                                           : -1;
+}
+
+/* mask_supports(token_ids, packed_mask, counts, vocab_size, rows_per_request, num_sampled)
+ *     -> (ids, offsets, cu) | None
+ *
+ * The whole host side of SamplingMaskTensors: which rows are kept, their supports and the
+ * offsets, from the three fields as host buffers (numpy arrays):
+ *   token_ids int32 [rows, width], packed_mask uint8 [rows, ceil(vocab_size / 8)],
+ *   counts int32 [rows], rows = num_reqs * rows_per_request; num_sampled None or int32/int64
+ *   [num_reqs], each within 0 .. rows_per_request when rows_per_request > 1 (None only when
+ *   it is 1).
+ * Slot s of request q (row q * rows_per_request + s) is kept when rows_per_request is 1 or
+ * s < num_sampled[q]. A kept row with count <= width gives its first `count` compact ids as
+ * they are; a wider one the set bits of its bitmask row below vocab_size, which must number
+ * exactly `count`.
+ * Returns bytearrays: ids (int32, every kept row's support in order), offsets (int64, one
+ * per kept row plus the leading 0) and, when rows_per_request > 1, cu (int32, the running sum
+ * of num_sampled from 0), else None. None for anything else: a buffer of another type, rank,
+ * shape or layout, a non-int or out-of-range argument, a negative or impossible count, a
+ * bitmask row that disagrees with its count. The caller's numpy path then raises the
+ * precise error. Every count is checked before it is used, so no input reads or writes out
+ * of bounds. */
+static PyObject *
+mask_supports(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer tbuf, pbuf, cbuf, nbuf;
+    int have_t = 0, have_p = 0, have_c = 0, have_n = 0, got;
+    Py_ssize_t vocab = 0, rpr = 0, ns_size = 0;
+    PyObject *ids = NULL, *offsets = NULL, *cu = NULL, *result = NULL;
+
+    if (!check_nargs("mask_supports", nargs, 6)) {
+        return NULL;
+    }
+    /* Ids are int32: a vocabulary of at most 2**31 ids. */
+    if ((got = exact_int(args[3], 0, (Py_ssize_t)INT32_MAX + 1, &vocab)) <= 0 ||
+        (got = exact_int(args[4], 1, PY_SSIZE_T_MAX, &rpr)) <= 0) {
+        return got < 0 ? NULL : Py_NewRef(Py_None);
+    }
+    if ((have_t = get_ints(args[0], &tbuf, 'i', 4, 2)) < 0 ||
+        (have_p = get_ints(args[1], &pbuf, 'u', 1, 2)) < 0 ||
+        (have_c = get_ints(args[2], &cbuf, 'i', 4, 1)) < 0) {
+        goto done;
+    }
+    if (!have_t || !have_p || !have_c) {
+        goto none;
+    }
+    if (args[5] == Py_None) {
+        if (rpr != 1) {
+            goto none;
+        }
+    }
+    else {
+        if ((have_n = get_ints(args[5], &nbuf, 'i', 8, 1)) < 0) {
+            goto done;
+        }
+        if (have_n == 0 && (have_n = get_ints(args[5], &nbuf, 'i', 4, 1)) < 0) {
+            goto done;
+        }
+        if (!have_n) {
+            goto none;
+        }
+        ns_size = nbuf.itemsize;
+    }
+    {
+        Py_ssize_t rows = cbuf.shape[0], row_bytes = (vocab + 7) / 8;
+        Py_ssize_t num_reqs, num_pos = 0, total = 0, at = 0, pos = 0, most;
+        const char *counts = (const char *)cbuf.buf;
+        const char *ns = have_n ? (const char *)nbuf.buf : NULL;
+        MaskRows m = {(const char *)tbuf.buf, (const unsigned char *)pbuf.buf, counts,
+                      tbuf.shape[1], row_bytes, vocab};
+        char *ip, *op, *cp = NULL;
+
+        if (tbuf.shape[0] != rows || pbuf.shape[0] != rows || pbuf.shape[1] != row_bytes ||
+            rows % rpr) {
+            goto none;
+        }
+        num_reqs = rows / rpr;
+        if (ns != NULL && nbuf.shape[0] != num_reqs) {
+            goto none;
+        }
+        /* Only rows_per_request > 1 reads num_sampled (with 1, vLLM keeps every row). */
+        if (rpr == 1) {
+            ns = NULL;
+        }
+        /* A kept row holds at most max(width, vocab) ids: bounds every count, so the total
+         * (<= rows * most, and tok or packed holds that many bytes) cannot overflow. */
+        most = m.width > vocab ? m.width : vocab;
+        /* Sizes first: kept rows, and the total of their counts. */
+        if (ns == NULL) {
+            for (Py_ssize_t r = 0; r < rows; r++) {
+                Py_ssize_t n = load_i32(counts, r);
+                if (n < 0 || n > most) {
+                    goto none;
+                }
+                total += n;
+            }
+            num_pos = rows;
+        }
+        else {
+            for (Py_ssize_t q = 0; q < num_reqs; q++) {
+                long long k = load_count(ns, ns_size, q);
+                if (k < 0 || k > rpr) {
+                    goto none;
+                }
+                for (Py_ssize_t r = q * rpr, end = r + (Py_ssize_t)k; r < end; r++) {
+                    Py_ssize_t n = load_i32(counts, r);
+                    if (n < 0 || n > most) {
+                        goto none;
+                    }
+                    total += n;
+                }
+                num_pos += (Py_ssize_t)k;
+            }
+        }
+        if (num_pos > OFFSET_MAX || total > (PY_SSIZE_T_MAX / 4) - MASK_SLACK) {
+            goto none;
+        }
+        ids = PyByteArray_FromStringAndSize(NULL, (total + MASK_SLACK) * 4);
+        offsets = PyByteArray_FromStringAndSize(NULL, (num_pos + 1) * 8);
+        if (ids == NULL || offsets == NULL) {
+            goto done;
+        }
+        if (ns != NULL) {
+            if ((cu = PyByteArray_FromStringAndSize(NULL, (num_reqs + 1) * 4)) == NULL) {
+                goto done;
+            }
+            cp = PyByteArray_AS_STRING(cu);
+            store_i32(cp, 0, 0);
+        }
+        ip = PyByteArray_AS_STRING(ids);
+        op = PyByteArray_AS_STRING(offsets);
+        store_i64(op, 0, 0);
+        /* Then the fill, which re-checks every count it relies on (mask_row, and k against
+         * num_pos): the caller's buffers are not ours, and another thread may write them. */
+        if (ns == NULL) {
+            for (Py_ssize_t r = 0; r < rows; r++) {
+                Py_ssize_t n = mask_row(&m, r, ip + at * 4, total - at);
+                if (n < 0) {
+                    goto none;
+                }
+                at += n;
+                store_i64(op, r + 1, (int64_t)at);
+            }
+            pos = rows;
+        }
+        else {
+            for (Py_ssize_t q = 0; q < num_reqs; q++) {
+                long long k = load_count(ns, ns_size, q);
+                if (k < 0 || k > rpr || k > num_pos - pos) {
+                    goto none;
+                }
+                for (Py_ssize_t s = 0; s < (Py_ssize_t)k; s++) {
+                    Py_ssize_t n = mask_row(&m, q * rpr + s, ip + at * 4, total - at);
+                    if (n < 0) {
+                        goto none;
+                    }
+                    at += n;
+                    store_i64(op, pos + 1 + s, (int64_t)at);
+                }
+                pos += (Py_ssize_t)k;
+                store_i32(cp, q + 1, (int32_t)pos);
+            }
+        }
+        if (at != total || pos != num_pos) {
+            goto none;
+        }
+        if (PyByteArray_Resize(ids, total * 4) < 0) {
+            goto done;
+        }
+    }
+    result = PyTuple_Pack(3, ids, offsets, cu == NULL ? Py_None : cu);
+    goto done;
+none:
+    result = Py_NewRef(Py_None);
+done:
+    Py_XDECREF(ids);
+    Py_XDECREF(offsets);
+    Py_XDECREF(cu);
+    if (have_t > 0) PyBuffer_Release(&tbuf);
+    if (have_p > 0) PyBuffer_Release(&pbuf);
+    if (have_c > 0) PyBuffer_Release(&cbuf);
+    if (have_n > 0) PyBuffer_Release(&nbuf);
+    return result;
 }
 
 /* same_items(a, b) -> bool
@@ -1090,6 +1441,726 @@ build_array(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs
     return result;
 }
 
+/* ------------------------------------------------------------------ decode: one export
+ *
+ * array_slot() -> (capsule, address)
+ * decode_batch(capsule, n, columns, step, absent, sampled, logprobs, mask) -> tuple | None
+ *
+ * The decode side's walk over a whole record batch. The caller exports the batch once
+ * (RecordBatch._export_to_c(address): no schema) into the ArrowArray that array_slot
+ * allocated, after pyarrow's validate() (buffer sizes against lengths, first and last
+ * offsets against what they index: the interface carries no buffer sizes) or
+ * validate(full=True). decode_batch then reads the tree and builds the decoded output's
+ * Python objects: request ids, the id -> row dict, the sampled token id lists, the
+ * cu_num_generated_tokens lists, and read-only "regions" (buffer-protocol views of parts of
+ * the exported buffers that hold the capsule, so the batch's memory lives as long as the
+ * numpy arrays made over them: zero-copy).
+ *
+ * Like the walks above it does the whole job or returns None: any node not of the expected
+ * shape (buffer and child counts, a non-zero offset, a null count that is not the one the
+ * step's layout needs), any offset out of order or out of bounds, a step or req_index value
+ * that is not the expected one, a request id that is not UTF-8, a duplicate request id, a
+ * logprob matrix that is not rectangular or not of the layout's width. The caller's
+ * pure-Python decode then runs and raises the precise error (or decodes the rare shapes
+ * left to it: slices, empty steps). Every offset is checked against the length of what it
+ * indexes before anything is read through it.
+ *
+ * columns = (step, req_id, req_index, sampled_token_ids, logprobs, sampling_mask) positions;
+ * step = None or the int64 step; absent = positions of columns that must be all null;
+ * sampled = 0 (a pooling step: all null) or the id itemsize 4/8; logprobs = None (absent)
+ * or (id itemsize, rank itemsize, cu as list: bool, width or -1); mask = None (absent) or
+ * (cu as list: bool).
+ * Result: (req_ids, req_id_to_index, sampled, lp, mask) with lp = None or
+ * (ids region, logprobs region, ranks region, positions, width, cu list or None) and
+ * mask = None or (token_ids region, offsets region, cu list or None). */
+
+#define DEC_MAX_COLUMNS 64
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *owner; /* the capsule holding the exported ArrowArray */
+    const char *buf;
+    Py_ssize_t len;
+} RegionObject;
+
+static void
+region_dealloc(RegionObject *self)
+{
+    Py_XDECREF(self->owner);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int
+region_getbuffer(RegionObject *self, Py_buffer *view, int flags)
+{
+    /* Read-only: Arrow's buffers are immutable, and IPC's are mapped file pages. */
+    return PyBuffer_FillInfo(view, (PyObject *)self, (void *)self->buf, self->len, 1, flags);
+}
+
+static PyBufferProcs region_as_buffer = {
+    .bf_getbuffer = (getbufferproc)region_getbuffer,
+    .bf_releasebuffer = NULL,
+};
+
+static PyTypeObject RegionType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "arrow_outputs._speedups.Region",
+    .tp_basicsize = sizeof(RegionObject),
+    .tp_dealloc = (destructor)region_dealloc,
+    .tp_as_buffer = &region_as_buffer,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Read-only bytes of an exported record batch's buffer (decode_batch).",
+};
+
+static PyObject *
+region_new(PyObject *owner, const char *buf, Py_ssize_t len)
+{
+    RegionObject *r = PyObject_New(RegionObject, &RegionType);
+    if (r == NULL) {
+        return NULL;
+    }
+    r->owner = Py_NewRef(owner);
+    r->buf = buf;
+    r->len = len;
+    return (PyObject *)r;
+}
+
+#define SLOT_CAPSULE "arrow_outputs._speedups.exported"
+
+static void
+slot_destroy(PyObject *capsule)
+{
+    struct ArrowArray *a = PyCapsule_GetPointer(capsule, SLOT_CAPSULE);
+    if (a == NULL) {
+        PyErr_Clear();
+        return;
+    }
+    if (a->release != NULL) {
+        a->release(a);
+    }
+    PyMem_Free(a);
+}
+
+/* array_slot() -> (capsule, address): an empty ArrowArray (release NULL) to export into;
+ * the capsule releases whatever was exported there when it goes. */
+static PyObject *
+array_slot(PyObject *Py_UNUSED(module), PyObject *const *Py_UNUSED(args), Py_ssize_t nargs)
+{
+    struct ArrowArray *a;
+    PyObject *capsule, *address, *result;
+
+    if (!check_nargs("array_slot", nargs, 0)) {
+        return NULL;
+    }
+    a = PyMem_Calloc(1, sizeof(struct ArrowArray));
+    if (a == NULL) {
+        return PyErr_NoMemory();
+    }
+    capsule = PyCapsule_New(a, SLOT_CAPSULE, slot_destroy);
+    if (capsule == NULL) {
+        PyMem_Free(a);
+        return NULL;
+    }
+    address = PyLong_FromVoidPtr(a);
+    if (address == NULL) {
+        Py_DECREF(capsule);
+        return NULL;
+    }
+    result = PyTuple_Pack(2, capsule, address);
+    Py_DECREF(capsule);
+    Py_DECREF(address);
+    return result;
+}
+
+/* A node of the expected shape: not released, no dictionary, offset 0, the buffer and child
+ * counts of its layout, its pointer arrays present, every child present. */
+static int
+dec_node(const struct ArrowArray *a, int64_t n_buffers, int64_t n_children)
+{
+    if (a == NULL || a->release == NULL || a->dictionary != NULL || a->offset != 0 ||
+        a->length < 0 || a->length > PY_SSIZE_T_MAX / 8 || a->n_buffers != n_buffers ||
+        a->n_children != n_children || (n_buffers > 0 && a->buffers == NULL) ||
+        (n_children > 0 && a->children == NULL)) {
+        return 0;
+    }
+    for (int64_t i = 0; i < n_children; i++) {
+        if (a->children[i] == NULL) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* The node's null count; an unknown one (-1) counted from its validity bitmap (validate()
+ * proved the bitmap long enough). -1 when it cannot be known. */
+static int64_t
+dec_nulls(const struct ArrowArray *a)
+{
+    int64_t valid = 0;
+    const uint8_t *bits;
+
+    if (a->null_count >= 0) {
+        return a->null_count <= a->length ? a->null_count : -1;
+    }
+    if (a->null_count != -1 || a->n_buffers < 1 || a->buffers == NULL) {
+        return -1;
+    }
+    bits = a->buffers[0];
+    if (bits == NULL) {
+        return 0;
+    }
+    for (int64_t i = 0; i < a->length; i++) {
+        valid += (bits[i >> 3] >> (i & 7)) & 1;
+    }
+    return a->length - valid;
+}
+
+/* A node with no nulls and the given shape. */
+static int
+dec_dense(const struct ArrowArray *a, int64_t n_buffers, int64_t n_children)
+{
+    return dec_node(a, n_buffers, n_children) && dec_nulls(a) == 0;
+}
+
+/* A primitive node (validity, values) of at least `need` values, none null, its values
+ * buffer present when need > 0. */
+static const char *
+dec_values(const struct ArrowArray *a, int64_t need)
+{
+    if (!dec_dense(a, 2, 0) || a->length < need) {
+        return NULL;
+    }
+    if (a->buffers[1] == NULL) {
+        return need == 0 ? "" : NULL;
+    }
+    return a->buffers[1];
+}
+
+/* int32 offsets[from .. to] of a list-like node: first >= 0, non-decreasing, last <= limit. */
+static int
+dec_offsets32(const char *offs, int64_t from, int64_t to, int64_t limit)
+{
+    int32_t prev;
+    if (offs == NULL) {
+        return 0;
+    }
+    prev = load_i32(offs, from);
+    if (prev < 0) {
+        return 0;
+    }
+    for (int64_t i = from + 1; i <= to; i++) {
+        int32_t cur = load_i32(offs, i);
+        if (cur < prev) {
+            return 0;
+        }
+        prev = cur;
+    }
+    return prev <= limit;
+}
+
+/* Python ints offs[from + i] - base for i in 0..count (int32 offsets). */
+static PyObject *
+dec_cu_list(const char *offs, int64_t from, int64_t count)
+{
+    int32_t base = load_i32(offs, from);
+    PyObject *list = PyList_New((Py_ssize_t)count + 1);
+    if (list == NULL) {
+        return NULL;
+    }
+    for (int64_t i = 0; i <= count; i++) {
+        PyObject *v = PyLong_FromLong((long)load_i32(offs, from + i) - (long)base);
+        if (v == NULL) {
+            Py_DECREF(list);
+            return NULL;
+        }
+        PyList_SET_ITEM(list, (Py_ssize_t)i, v);
+    }
+    return list;
+}
+
+/* Whether offs[from + i] - offs[from] == i * step for i in 0..count. */
+static int
+dec_arange32(const char *offs, int64_t from, int64_t count, int64_t step)
+{
+    int64_t base = load_i32(offs, from);
+    for (int64_t i = 1; i <= count; i++) {
+        if ((int64_t)load_i32(offs, from + i) - base != i * step) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+static int
+dec_flag(PyObject *obj)
+{
+    return obj == Py_True ? 1 : obj == Py_False ? 0 : -1;
+}
+
+/* Returns 1 with *out set, 0 for "not this path" (no exception), -1 on error. */
+static int
+dec_strs(const struct ArrowArray *col, int64_t n, PyObject **ids_out, PyObject **index_out)
+{
+    const char *offs, *data;
+    PyObject *ids = NULL, *index = NULL;
+
+    if (!dec_dense(col, 3, 0) || col->length != n) {
+        return 0;
+    }
+    offs = col->buffers[1];
+    data = col->buffers[2];
+    /* validate() bounded the last offset by the data buffer's size. */
+    if (!dec_offsets32(offs, 0, n, INT32_MAX)) {
+        return 0;
+    }
+    if (load_i32(offs, n) > 0 && data == NULL) {
+        return 0;
+    }
+    ids = PyList_New((Py_ssize_t)n);
+    index = PyDict_New();
+    if (ids == NULL || index == NULL) {
+        goto error;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        int32_t a = load_i32(offs, i), b = load_i32(offs, i + 1);
+        PyObject *s = b > a ? PyUnicode_DecodeUTF8(data + a, (Py_ssize_t)b - a, "strict")
+                            : PyUnicode_New(0, 0);
+        PyObject *pos;
+        int rc;
+        if (s == NULL) {
+            if (PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) {
+                PyErr_Clear();
+                Py_DECREF(ids);
+                Py_DECREF(index);
+                return 0;
+            }
+            goto error;
+        }
+        PyList_SET_ITEM(ids, (Py_ssize_t)i, s);
+        pos = PyLong_FromLongLong((long long)i);
+        if (pos == NULL) {
+            goto error;
+        }
+        rc = PyDict_SetItem(index, s, pos); /* exact strs: no user __hash__ or __eq__ */
+        Py_DECREF(pos);
+        if (rc < 0) {
+            goto error;
+        }
+    }
+    if (PyDict_GET_SIZE(index) != (Py_ssize_t)n) { /* a duplicate id: the slow path says so */
+        Py_DECREF(ids);
+        Py_DECREF(index);
+        return 0;
+    }
+    *ids_out = ids;
+    *index_out = index;
+    return 1;
+error:
+    Py_XDECREF(ids);
+    Py_XDECREF(index);
+    return -1;
+}
+
+/* The sampled token id lists of a dense list<int32|int64> column. */
+static int
+dec_sampled(const struct ArrowArray *col, int64_t n, Py_ssize_t itemsize, PyObject **out)
+{
+    const struct ArrowArray *child;
+    const char *offs, *vals;
+    PyObject *outer;
+
+    if (!dec_dense(col, 2, 1) || col->length != n) {
+        return 0;
+    }
+    child = col->children[0];
+    offs = col->buffers[1];
+    if (!dec_node(child, 2, 0) || dec_nulls(child) != 0 ||
+        !dec_offsets32(offs, 0, n, child->length)) {
+        return 0;
+    }
+    vals = dec_values(child, load_i32(offs, n));
+    if (vals == NULL) {
+        return 0;
+    }
+    outer = PyList_New((Py_ssize_t)n);
+    if (outer == NULL) {
+        return -1;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        Py_ssize_t a = load_i32(offs, i), b = load_i32(offs, i + 1);
+        PyObject *inner = PyList_New(b - a);
+        if (inner == NULL) {
+            Py_DECREF(outer);
+            return -1;
+        }
+        PyList_SET_ITEM(outer, (Py_ssize_t)i, inner);
+        for (Py_ssize_t j = a; j < b; j++) {
+            PyObject *v;
+            if (itemsize == 4) {
+                int32_t x;
+                memcpy(&x, vals + j * 4, 4);
+                v = PyLong_FromLong((long)x);
+            }
+            else {
+                int64_t x;
+                memcpy(&x, vals + j * 8, 8);
+                v = PyLong_FromLongLong((long long)x);
+            }
+            if (v == NULL) {
+                Py_DECREF(outer);
+                return -1;
+            }
+            PyList_SET_ITEM(inner, j - a, v);
+        }
+    }
+    *out = outer;
+    return 1;
+}
+
+/* A logprobs column: list<struct<token_ids: list<ID>, logprobs: list<float32>, rank: RANK>>. */
+static int
+dec_logprobs(PyObject *owner, const struct ArrowArray *col, int64_t n, PyObject *spec,
+             PyObject **out)
+{
+    Py_ssize_t id_size, rank_size, width;
+    int cu_list;
+    const struct ArrowArray *st, *tok, *lp, *rank, *tok_vals, *lp_vals;
+    const char *outer, *tok_off, *lp_off, *ids, *lps, *ranks;
+    int64_t p0, p1, num, w, lo, hi;
+    PyObject *cu = NULL, *r_ids = NULL, *r_lps = NULL, *r_ranks = NULL;
+
+    if (!PyTuple_CheckExact(spec) || PyTuple_GET_SIZE(spec) != 4 ||
+        !ssize_arg(PyTuple_GET_ITEM(spec, 0), &id_size) ||
+        !ssize_arg(PyTuple_GET_ITEM(spec, 1), &rank_size) ||
+        !ssize_arg(PyTuple_GET_ITEM(spec, 3), &width)) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_TypeError, "decode_batch: logprobs spec of 4 items");
+        }
+        return -1;
+    }
+    cu_list = dec_flag(PyTuple_GET_ITEM(spec, 2));
+    if (cu_list < 0 || (id_size != 4 && id_size != 8) || (rank_size != 4 && rank_size != 8)) {
+        PyErr_SetString(PyExc_ValueError, "decode_batch: bad logprobs spec");
+        return -1;
+    }
+    if (!dec_dense(col, 2, 1) || col->length != n) {
+        return 0;
+    }
+    st = col->children[0];
+    outer = col->buffers[1];
+    if (!dec_dense(st, 1, 3) || !dec_offsets32(outer, 0, n, st->length)) {
+        return 0;
+    }
+    p0 = load_i32(outer, 0);
+    p1 = load_i32(outer, n);
+    num = p1 - p0;
+    tok = st->children[0];
+    lp = st->children[1];
+    rank = st->children[2];
+    if (num <= 0 || !dec_dense(tok, 2, 1) || !dec_dense(lp, 2, 1) || tok->length < p1 ||
+        lp->length < p1) {
+        return 0;
+    }
+    tok_vals = tok->children[0];
+    lp_vals = lp->children[0];
+    tok_off = tok->buffers[1];
+    lp_off = lp->buffers[1];
+    ranks = dec_values(rank, p1);
+    if (ranks == NULL || !dec_dense(tok_vals, 2, 0) || !dec_dense(lp_vals, 2, 0) ||
+        tok_off == NULL || lp_off == NULL) {
+        return 0;
+    }
+    if (!dec_offsets32(tok_off, p0, p1,
+                       tok_vals->length < lp_vals->length ? tok_vals->length : lp_vals->length)) {
+        return 0;
+    }
+    if (tok_off != lp_off) {
+        for (int64_t i = p0; i <= p1; i++) {
+            if (load_i32(tok_off, i) != load_i32(lp_off, i)) {
+                return 0;
+            }
+        }
+    }
+    lo = load_i32(tok_off, p0);
+    hi = load_i32(tok_off, p1);
+    w = load_i32(tok_off, p0 + 1) - lo;
+    if (w <= 0 || (width >= 0 && w != width) || !dec_arange32(tok_off, p0, num, w)) {
+        return 0;
+    }
+    ids = dec_values(tok_vals, hi);
+    lps = dec_values(lp_vals, hi);
+    if (ids == NULL || lps == NULL) {
+        return 0;
+    }
+    if (cu_list) {
+        cu = dec_cu_list(outer, 0, n);
+        if (cu == NULL) {
+            return -1;
+        }
+    }
+    else {
+        if (!dec_arange32(outer, 0, n, 1)) {
+            return 0;
+        }
+        cu = Py_NewRef(Py_None);
+    }
+    r_ids = region_new(owner, ids + lo * id_size, (Py_ssize_t)((hi - lo) * id_size));
+    r_lps = region_new(owner, lps + lo * 4, (Py_ssize_t)((hi - lo) * 4));
+    r_ranks = region_new(owner, ranks + p0 * rank_size, (Py_ssize_t)(num * rank_size));
+    if (r_ids == NULL || r_lps == NULL || r_ranks == NULL) {
+        *out = NULL;
+    }
+    else {
+        *out = Py_BuildValue("(OOOLLO)", r_ids, r_lps, r_ranks, (long long)num, (long long)w, cu);
+    }
+    Py_XDECREF(r_ids);
+    Py_XDECREF(r_lps);
+    Py_XDECREF(r_ranks);
+    Py_DECREF(cu);
+    return *out == NULL ? -1 : 1;
+}
+
+/* A sampling-mask column: list<large_list<int32>>, its CSR unsliced (first id offset 0). */
+static int
+dec_mask(PyObject *owner, const struct ArrowArray *col, int64_t n, PyObject *spec,
+         PyObject **out)
+{
+    const struct ArrowArray *inner, *values;
+    const char *outer, *csr, *ids;
+    int64_t p0, p1, prev, hi;
+    int cu_list;
+    PyObject *cu = NULL, *r_ids = NULL, *r_csr = NULL;
+
+    if (!PyTuple_CheckExact(spec) || PyTuple_GET_SIZE(spec) != 1 ||
+        (cu_list = dec_flag(PyTuple_GET_ITEM(spec, 0))) < 0) {
+        PyErr_SetString(PyExc_TypeError, "decode_batch: mask spec (cu: bool,)");
+        return -1;
+    }
+    if (!dec_dense(col, 2, 1) || col->length != n) {
+        return 0;
+    }
+    inner = col->children[0];
+    outer = col->buffers[1];
+    if (!dec_dense(inner, 2, 1) || !dec_offsets32(outer, 0, n, inner->length)) {
+        return 0;
+    }
+    p0 = load_i32(outer, 0);
+    p1 = load_i32(outer, n);
+    values = inner->children[0];
+    csr = inner->buffers[1];
+    if (csr == NULL || !dec_dense(values, 2, 0)) {
+        return 0;
+    }
+    /* int64 offsets csr[p0 .. p1]: start at 0 (an unsliced CSR), never decrease, end within
+     * the values. */
+    memcpy(&prev, csr + p0 * 8, 8);
+    if (prev != 0) {
+        return 0;
+    }
+    for (int64_t i = p0 + 1; i <= p1; i++) {
+        int64_t cur;
+        memcpy(&cur, csr + i * 8, 8);
+        if (cur < prev) {
+            return 0;
+        }
+        prev = cur;
+    }
+    hi = prev;
+    if (hi > values->length) {
+        return 0;
+    }
+    ids = dec_values(values, hi);
+    if (ids == NULL || (hi > 0 && values->buffers[1] == NULL)) {
+        return 0;
+    }
+    if (cu_list) {
+        cu = dec_cu_list(outer, 0, n);
+        if (cu == NULL) {
+            return -1;
+        }
+    }
+    else {
+        if (!dec_arange32(outer, 0, n, 1)) {
+            return 0;
+        }
+        cu = Py_NewRef(Py_None);
+    }
+    r_ids = region_new(owner, ids, (Py_ssize_t)(hi * 4));
+    r_csr = region_new(owner, csr + p0 * 8, (Py_ssize_t)((p1 - p0 + 1) * 8));
+    if (r_ids == NULL || r_csr == NULL) {
+        *out = NULL;
+    }
+    else {
+        *out = PyTuple_Pack(3, r_ids, r_csr, cu);
+    }
+    Py_XDECREF(r_ids);
+    Py_XDECREF(r_csr);
+    Py_DECREF(cu);
+    return *out == NULL ? -1 : 1;
+}
+
+static PyObject *
+decode_batch(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *capsule, *columns, *step_obj, *absent, *lp_spec, *mask_spec;
+    PyObject *ids = NULL, *index = NULL, *sampled = NULL, *lp = NULL, *mask = NULL;
+    PyObject *result = NULL;
+    Py_ssize_t n_arg, sampled_size, at[6];
+    const struct ArrowArray *top, *col;
+    long long step = 0;
+    int64_t n;
+    int rc;
+
+    if (!check_nargs("decode_batch", nargs, 8) || !ssize_arg(args[1], &n_arg) ||
+        !ssize_arg(args[5], &sampled_size)) {
+        return NULL;
+    }
+    capsule = args[0];
+    columns = args[2];
+    step_obj = args[3];
+    absent = args[4];
+    lp_spec = args[6];
+    mask_spec = args[7];
+    if (!PyType_HasFeature(&RegionType, Py_TPFLAGS_READY) && PyType_Ready(&RegionType) < 0) {
+        return NULL;
+    }
+    top = PyCapsule_GetPointer(capsule, SLOT_CAPSULE);
+    if (top == NULL) {
+        return NULL;
+    }
+    if (!PyTuple_CheckExact(columns) || PyTuple_GET_SIZE(columns) != 6 ||
+        !PyTuple_CheckExact(absent) || (sampled_size != 0 && sampled_size != 4 &&
+                                        sampled_size != 8)) {
+        PyErr_SetString(PyExc_TypeError, "decode_batch: bad column plan");
+        return NULL;
+    }
+    if (step_obj != Py_None) {
+        int overflow = 0;
+        if (!PyLong_CheckExact(step_obj)) {
+            PyErr_SetString(PyExc_TypeError, "decode_batch: step must be an int or None");
+            return NULL;
+        }
+        step = PyLong_AsLongLongAndOverflow(step_obj, &overflow);
+        if ((step == -1 && PyErr_Occurred()) || overflow != 0) {
+            if (!PyErr_Occurred()) {
+                PyErr_SetString(PyExc_OverflowError, "decode_batch: step beyond int64");
+            }
+            return NULL;
+        }
+    }
+    for (Py_ssize_t i = 0; i < 6; i++) {
+        if (!ssize_arg(PyTuple_GET_ITEM(columns, i), &at[i])) {
+            return NULL;
+        }
+    }
+    n = n_arg;
+    /* The batch: a struct of its columns, exported (release set), of n >= 1 rows. */
+    if (n < 1 || top->release == NULL || top->n_children < 1 ||
+        top->n_children > DEC_MAX_COLUMNS || top->length != n || !dec_dense(top, 1, top->n_children)) {
+        Py_RETURN_NONE;
+    }
+    for (Py_ssize_t i = 0; i < 6; i++) {
+        if (at[i] < 0 || at[i] >= top->n_children) {
+            PyErr_SetString(PyExc_ValueError, "decode_batch: column position out of range");
+            return NULL;
+        }
+    }
+    for (int64_t i = 0; i < top->n_children; i++) {
+        if (top->children[i]->length != n) {
+            Py_RETURN_NONE;
+        }
+    }
+    /* Absent columns: all null. */
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(absent); i++) {
+        Py_ssize_t k;
+        if (!ssize_arg(PyTuple_GET_ITEM(absent, i), &k)) {
+            return NULL;
+        }
+        if (k < 0 || k >= top->n_children) {
+            PyErr_SetString(PyExc_ValueError, "decode_batch: absent position out of range");
+            return NULL;
+        }
+        col = top->children[k];
+        if (!dec_node(col, col->n_buffers, col->n_children) || col->n_buffers < 1 ||
+            dec_nulls(col) != n) {
+            Py_RETURN_NONE;
+        }
+    }
+    /* step: n copies of the step number, or n nulls for None. */
+    col = top->children[at[0]];
+    if (step_obj == Py_None) {
+        if (!dec_node(col, 2, 0) || dec_nulls(col) != n) {
+            Py_RETURN_NONE;
+        }
+    }
+    else {
+        const char *v = dec_values(col, n);
+        if (v == NULL) {
+            Py_RETURN_NONE;
+        }
+        for (int64_t i = 0; i < n; i++) {
+            int64_t x;
+            memcpy(&x, v + i * 8, 8);
+            if (x != (int64_t)step) {
+                Py_RETURN_NONE;
+            }
+        }
+    }
+    /* req_index: 0 .. n-1, the whole step in order. */
+    {
+        const char *v = dec_values(top->children[at[2]], n);
+        if (v == NULL) {
+            Py_RETURN_NONE;
+        }
+        for (int64_t i = 0; i < n; i++) {
+            if (load_i32(v, i) != i) {
+                Py_RETURN_NONE;
+            }
+        }
+    }
+    rc = dec_strs(top->children[at[1]], n, &ids, &index);
+    if (rc <= 0) {
+        goto out;
+    }
+    if (sampled_size == 0) {
+        col = top->children[at[3]];
+        if (!dec_node(col, 2, 1) || dec_nulls(col) != n) {
+            rc = 0;
+            goto out;
+        }
+        sampled = PyList_New(0);
+        rc = sampled == NULL ? -1 : 1;
+    }
+    else {
+        rc = dec_sampled(top->children[at[3]], n, sampled_size, &sampled);
+    }
+    if (rc <= 0) {
+        goto out;
+    }
+    if (lp_spec == Py_None) {
+        lp = Py_NewRef(Py_None);
+    }
+    else if ((rc = dec_logprobs(capsule, top->children[at[4]], n, lp_spec, &lp)) <= 0) {
+        goto out;
+    }
+    if (mask_spec == Py_None) {
+        mask = Py_NewRef(Py_None);
+    }
+    else if ((rc = dec_mask(capsule, top->children[at[5]], n, mask_spec, &mask)) <= 0) {
+        goto out;
+    }
+    result = PyTuple_Pack(5, ids, index, sampled, lp, mask);
+out:
+    Py_XDECREF(ids);
+    Py_XDECREF(index);
+    Py_XDECREF(sampled);
+    Py_XDECREF(lp);
+    Py_XDECREF(mask);
+    if (result == NULL && rc == 0 && !PyErr_Occurred()) {
+        Py_RETURN_NONE;
+    }
+    return result;
+}
+
 static PyMethodDef speedups_methods[] = {
     {"flatten_int_lists", (PyCFunction)(void (*)(void))flatten_int_lists, METH_FASTCALL,
      "flatten_int_lists(lists, n, itemsize, /)\n--\n\n"
@@ -1108,6 +2179,10 @@ static PyMethodDef speedups_methods[] = {
      "The lists of ints of an Arrow list array's buffers, or None (see _pyspeedups)."},
     {"mask_rows", (PyCFunction)(void (*)(void))mask_rows, METH_FASTCALL,
      "Sampling-mask rows' supports into an int32 buffer (see _pyspeedups.mask_rows)."},
+    {"mask_supports", (PyCFunction)(void (*)(void))mask_supports, METH_FASTCALL,
+     "mask_supports(token_ids, packed_mask, counts, vocab_size, rows_per_request, "
+     "num_sampled, /)\n--\n\n"
+     "(ids, offsets, cu) bytearrays of sampling-mask supports, or None (see _pyspeedups)."},
     {"same_items", (PyCFunction)(void (*)(void))same_items, METH_FASTCALL,
      "same_items(a, b, /)\n--\n\n"
      "Whether two exact lists hold the same objects in order (see _pyspeedups)."},
@@ -1117,6 +2192,12 @@ static PyMethodDef speedups_methods[] = {
     {"build_array", (PyCFunction)(void (*)(void))build_array, METH_FASTCALL,
      "build_array(node, /)\n--\n\n"
      "(capsule, address) of an ArrowArray tree over the nodes' buffers (see batch.py)."},
+    {"array_slot", (PyCFunction)(void (*)(void))array_slot, METH_FASTCALL,
+     "array_slot(/)\n--\n\n"
+     "(capsule, address) of an empty ArrowArray to export a record batch into."},
+    {"decode_batch", (PyCFunction)(void (*)(void))decode_batch, METH_FASTCALL,
+     "decode_batch(capsule, n, columns, step, absent, sampled, logprobs, mask, /)\n--\n\n"
+     "The decoded objects of an exported record batch, or None (see batch.py)."},
     {NULL, NULL, 0, NULL},
 };
 

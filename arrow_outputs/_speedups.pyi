@@ -14,3 +14,24 @@ def mask_rows(
 def int_offsets(values: Any, last: Any, /) -> bytes | None: ...
 def build_array(node: Any, /) -> tuple[Any, int]: ...
 def same_items(a: Any, b: Any, /) -> bool: ...
+def mask_supports(
+    token_ids: Any,
+    packed_mask: Any,
+    counts: Any,
+    vocab_size: Any,
+    rows_per_request: Any,
+    num_sampled: Any,
+    /,
+) -> tuple[bytearray, bytearray, bytearray | None] | None: ...
+def array_slot() -> tuple[Any, int]: ...
+def decode_batch(
+    capsule: Any,
+    n: Any,
+    columns: tuple[int, ...],
+    step: int | None,
+    absent: tuple[int, ...],
+    sampled: int,
+    logprobs: tuple[int, int, bool, int] | None,
+    mask: tuple[bool] | None,
+    /,
+) -> tuple[Any, ...] | None: ...

@@ -415,6 +415,8 @@ def _ids_as(values: np.ndarray, arrow_type: pa.DataType, *, copy: bool = False) 
     A schema of another id type gets int64 here; the encoder then refuses that schema with
     the precise error."""
     target = _NP_OF.get(arrow_type.id, _NP_OF[pa.int64().id])
+    if values.dtype == target:  # the common case, before the message is formatted
+        return values.copy() if copy else np.ascontiguousarray(values)
     what = f"token ids within {target} (the run's id type)"
     return _ints_as(values, target, "sampled_token_ids", what, copy=copy)
 

@@ -17,6 +17,7 @@ import copy
 import dataclasses
 import itertools
 import json
+import operator
 from collections import Counter
 from collections.abc import Callable, Iterable
 from functools import lru_cache
@@ -26,7 +27,7 @@ import numpy as np
 import pyarrow as pa
 
 from . import _accel, _pyspeedups, _stepmeta
-from ._checks import arange_offsets, describe, is_arange
+from ._checks import arange_offsets, check_monotonic, describe, is_arange
 from ._jsonish import Dropped, from_jsonable, to_jsonable
 from .errors import (
     ConsistencyError,
@@ -50,7 +51,9 @@ from .outputs import (
     CUDAGraphStat,
     ECConnectorOutput,
     KVConnectorOutput,
+    LogprobsLists,
     ModelRunnerOutput,
+    SamplingMaskLists,
 )
 from .records import allow_list, rebuild
 from .schema import (
@@ -1130,7 +1133,7 @@ def _head(a: np.ndarray, k: int = 8) -> str:
     return str(a[:k].tolist())[:-1] + (", ...]" if len(a) > k else "]")
 
 
-def _req_ids_of(col: pa.Array, n: int) -> list[str]:
+def _req_ids_of(col: pa.Array, n: int, validated: bool) -> list[str]:
     if not n:
         return []
     _, offsets, data = col.buffers()
@@ -1139,7 +1142,14 @@ def _req_ids_of(col: pa.Array, n: int) -> list[str]:
         if data is not None and _accel.accelerated()
         else None
     )
-    return fast if fast is not None else col.to_numpy(zero_copy_only=False).tolist()
+    if fast is not None:
+        return fast
+    if not validated:
+        # pyarrow's conversion trusts the offsets: out of order, it would read past the data.
+        check_monotonic(
+            list_offsets(col, np.int32), "req_id", limit=0 if data is None else data.size
+        )
+    return col.to_numpy(zero_copy_only=False).tolist()
 
 
 def _check_step_column(col: pa.Array, step: int | None) -> None:
@@ -1157,6 +1167,185 @@ def _check_step_column(col: pa.Array, step: int | None) -> None:
         )
 
 
+def _decode_columns(
+    batch: pa.RecordBatch,
+    meta: dict[str, Any],
+    types: ColumnTypes,
+    head_slice_ok: bool,
+    validated: bool,
+) -> tuple[list[str], dict[str, int], dict[str, Any]]:
+    """The rows' request ids, their index and the output fields, column by column through
+    the codec table: the specification of the C walk (:func:`_decode_fast`)."""
+    rows = _check_rows(batch, meta, head_slice_ok)
+    _check_step_column(batch.column(_AT["step"]), meta["step"])
+    n = batch.num_rows
+
+    req_ids = _req_ids_of(batch.column(_AT["req_id"]), n, validated)
+    req_id_to_index = dict(zip(req_ids, _range_list(n)))
+    if len(req_id_to_index) != n:
+        dup = next(r for r, count in Counter(req_ids).items() if count > 1)
+        raise ConsistencyError("req_id", "unique request ids", f"{dup!r} twice")
+
+    ctx = _Dec(req_ids, types, rows, meta["rows"], validated)
+    fields: dict[str, Any] = {}
+    for at, codec in _DECODERS:
+        col = batch.column(at)
+        layout = meta[codec.meta_key]
+        if layout is None:
+            if col.null_count != len(col):
+                raise _claim(codec.meta_key, "None (absent)", col)
+            fields[codec.output_field] = codec.absent()
+        else:
+            fields[codec.output_field] = codec.decode(ctx, col, layout)
+    return req_ids, req_id_to_index, fields
+
+
+# The columns the C walk reads, by position: (step, req_id, req_index, sampled_token_ids,
+# logprobs, sampling_mask); every other column it only proves all-null (absent).
+_FAST_COLUMNS = tuple(
+    _AT[name]
+    for name in ("step", "req_id", "req_index", "sampled_token_ids", "logprobs", "sampling_mask")
+)
+_FAST_KEYS = frozenset(("sampled_token_ids", "logprobs", "sampling_mask"))
+_ITEMSIZE = {"int32": 4, "int64": 8}
+_META_KEYS = tuple(codec.meta_key for codec in _CODECS.values())
+# What an absent column decodes to: shared None, or a fresh empty list/dict per output.
+_ABSENT_NONE: dict[str, Any] = {
+    c.output_field: None for c in _CODECS.values() if c.absent() is None
+}
+_ABSENT_FRESH = tuple(
+    (c.output_field, c.absent) for c in _CODECS.values() if c.absent() is not None
+)
+
+
+class _FastPlan(NamedTuple):
+    """What the C walk is told for one shape of step (its layouts and column types)."""
+
+    absent: tuple[int, ...]
+    sampled: int
+    logprobs: tuple[int, int, bool, int] | None
+    mask: tuple[bool] | None
+    id_dtype: Any
+    rank_dtype: Any
+
+
+# Parsed step JSON shares its layout objects between steps of one shape (_stepmeta), so a
+# plan is found by their identity: (layouts, types) are kept with it so that ids are never
+# reused while it is cached.
+_PLANS: dict[tuple[int, ...], tuple[tuple[Any, ...], ColumnTypes, _FastPlan | None]] = {}
+
+
+def _fast_plan(meta: dict[str, Any], types: ColumnTypes) -> _FastPlan | None:
+    layouts = tuple(meta[k] for k in _META_KEYS)
+    key = (id(types), *map(id, layouts))
+    hit = _PLANS.get(key)
+    if hit is not None and hit[1] is types and all(map(operator.is_, hit[0], layouts)):
+        return hit[2]
+    plan = _make_plan(meta, types)
+    if len(_PLANS) >= 64:
+        _PLANS.clear()
+    _PLANS[key] = (layouts, types, plan)
+    return plan
+
+
+def _make_plan(meta: dict[str, Any], types: ColumnTypes) -> _FastPlan | None:
+    """The walk's plan for a step's layouts; None for a step it does not take (a layout of
+    another kind: tensors, prompt logprobs, pooler output, NaN counts, aux rows)."""
+    absent = []
+    for at, codec in _DECODERS:
+        layout = meta[codec.meta_key]
+        if layout is None:
+            absent.append(at)
+        elif codec.meta_key not in _FAST_KEYS:
+            return None
+    sampled = meta["sampled_token_ids"]
+    if sampled == "none":
+        sampled_size = 0
+    elif sampled == "lists":
+        sampled_size = _ITEMSIZE[types.sampled_token_ids]
+    else:
+        return None
+    lp_spec = None
+    lp = meta["logprobs"]
+    if lp is not None:
+        cu, width = lp.get("cu", "list"), lp.get("width")
+        if (
+            lp.get("kind", "lists") != "lists"
+            or cu not in ("list", "none")
+            or not (width is None or (type(width) is int and 0 <= width < 2**31))
+        ):
+            return None
+        lp_spec = (
+            _ITEMSIZE[types.logprob_token_ids],
+            _ITEMSIZE[types.logprob_ranks],
+            cu == "list",
+            -1 if width is None else width,
+        )
+    mask_spec = None
+    mask = meta["sampling_mask"]
+    if mask is not None:
+        cu_mask = mask.get("cu", True)
+        if mask.get("offsets", True) is not True or type(cu_mask) is not bool:
+            return None
+        mask_spec = (cu_mask,)
+    return _FastPlan(
+        tuple(absent),
+        sampled_size,
+        lp_spec,
+        mask_spec,
+        _NP_INT[types.logprob_token_ids],
+        _NP_INT[types.logprob_ranks],
+    )
+
+
+def _decode_fast(
+    batch: pa.RecordBatch, meta: dict[str, Any], types: ColumnTypes, validated: bool
+) -> tuple[list[str], dict[str, int], dict[str, Any]] | None:
+    """:func:`_decode_columns` in one C walk over the batch's exported ArrowArray tree, for the
+    steps vLLM makes every step (sampled ids, logprobs lists, sampling masks, the rest
+    absent), whole and in order; None for anything else, or for anything the walk does not
+    accept, and the column decoders then decode it or raise their precise error.
+
+    Arrays come back as read-only numpy views of the batch's buffers (zero-copy)."""
+    n = batch.num_rows
+    if not n or meta["rows"] != n:
+        return None  # an empty step or a slice: the column decoders' cases
+    plan = _fast_plan(meta, types)
+    if plan is None:
+        return None
+    if not validated:
+        # The interface carries no buffer sizes: pyarrow's O(1) checks prove them (and the
+        # last offsets) first; what they refuse goes to the column decoders.
+        try:
+            batch.validate()
+        except pa.ArrowInvalid:
+            return None
+    got = _accel.decode_batch(
+        batch, _FAST_COLUMNS, meta["step"], plan.absent, plan.sampled, plan.logprobs, plan.mask
+    )
+    if got is None:
+        return None
+    req_ids, index, sampled_ids, lp_parts, mask_parts = got
+    fields = _ABSENT_NONE.copy()
+    for name, factory in _ABSENT_FRESH:
+        fields[name] = factory()
+    fields["sampled_token_ids"] = sampled_ids
+    if lp_parts is not None:
+        r_ids, r_lps, r_ranks, num, w, cu_list = lp_parts
+        fields["logprobs"] = LogprobsLists(
+            np.frombuffer(r_ids, plan.id_dtype).reshape(num, w),
+            np.frombuffer(r_lps, np.float32).reshape(num, w),
+            np.frombuffer(r_ranks, plan.rank_dtype),
+            cu_list,
+        )
+    if mask_parts is not None:
+        r_tok, r_csr, cu_list = mask_parts
+        fields["sampling_masks"] = SamplingMaskLists(
+            np.frombuffer(r_tok, np.int32), np.frombuffer(r_csr, np.int64), cu_list
+        )
+    return req_ids, index, fields
+
+
 def from_record_batch(
     batch: pa.RecordBatch,
     *,
@@ -1168,9 +1357,9 @@ def from_record_batch(
     """A record batch made by :func:`to_record_batch` back into a ``ModelRunnerOutput``.
 
     Arrays and tensors are views of the batch's buffers (zero-copy): read-only when the
-    batch came from IPC, and to be treated as read-only always, since they share memory with
-    the batch (and, in memory, with the producer's arrays). Python lists are made where vLLM
-    has lists.
+    batch came from IPC or was decoded by the C accelerator, and to be treated as read-only
+    always, since they share memory with the batch (and, in memory, with the producer's
+    arrays). Python lists are made where vLLM has lists.
 
     A slice or filter of a step's batch decodes to the output of its rows (the step-level
     connector outputs and CUDA-graph stats stay those of the step).
@@ -1185,7 +1374,9 @@ def from_record_batch(
     validate
         Run ``batch.validate(full=True)`` first: batches from elsewhere are untrusted, and
         only full validation catches bad offsets. ``False`` is for batches this process
-        made itself: the checks that full validation makes are then skipped, not redone.
+        made itself: the checks that full validation makes are then skipped, not redone
+        (the C accelerator's walk still runs pyarrow's constant-time ``validate()``: it
+        reads buffers whose sizes only pyarrow knows).
     missing_step_metadata
         ``"error"`` (default) refuses a batch without its own step metadata;
         ``"defaults"`` decodes it with the defaults of ``docs/schema.md``.
@@ -1208,27 +1399,13 @@ def from_record_batch(
             batch.validate(full=True)
         except pa.ArrowInvalid as e:
             raise SchemaMismatchError("batch", "a valid Arrow record batch", str(e)) from e
-    rows = _check_rows(batch, meta, head_slice_ok)
-    _check_step_column(batch.column(_AT["step"]), meta["step"])
-    n = batch.num_rows
-
-    req_ids = _req_ids_of(batch.column(_AT["req_id"]), n)
-    req_id_to_index = dict(zip(req_ids, _range_list(n)))
-    if len(req_id_to_index) != n:
-        dup = next(r for r, count in Counter(req_ids).items() if count > 1)
-        raise ConsistencyError("req_id", "unique request ids", f"{dup!r} twice")
-
-    ctx = _Dec(req_ids, types, rows, meta["rows"], validate)
-    fields: dict[str, Any] = {}
-    for at, codec in _DECODERS:
-        col = batch.column(at)
-        layout = meta[codec.meta_key]
-        if layout is None:
-            if col.null_count != len(col):
-                raise _claim(codec.meta_key, "None (absent)", col)
-            fields[codec.output_field] = codec.absent()
-        else:
-            fields[codec.output_field] = codec.decode(ctx, col, layout)
+    fast = _decode_fast(batch, meta, types, validate) if _accel.decode_batch else None
+    if fast is not None:
+        req_ids, req_id_to_index, fields = fast
+    else:
+        req_ids, req_id_to_index, fields = _decode_columns(
+            batch, meta, types, head_slice_ok, validate
+        )
     for key, cls in _STEP_CLASSES.items():
         value = meta[key]
         if value is not None:

@@ -22,6 +22,7 @@ __all__ = ["main"]
 
 PROG = "arrow-outputs"
 BENCHMARKS = ("encode", "device", "masks", "handoff")
+PARQUET_CODECS = ("none", "zstd", "snappy", "gzip", "lz4")
 
 
 class _Failed(Exception):
@@ -164,7 +165,16 @@ def _add_demo(p: argparse.ArgumentParser) -> None:
 def _demo(args: argparse.Namespace) -> int:
     from .demo.cli import run_from_args
 
-    return run_from_args(args)
+    try:
+        return run_from_args(args)
+    except ImportError as e:
+        # The demo is a torch model; `pip install arrow-outputs` alone does not bring torch.
+        if (e.name or "").split(".")[0] != "torch":
+            raise
+        raise _Failed(
+            "torch: expected torch installed to run the demo engine "
+            f"(pip install 'arrow-outputs[torch]'), got {_one_line(e)}"
+        ) from e
 
 
 # -- inspect ---------------------------------------------------------------------------
@@ -245,7 +255,7 @@ def _rows(batch: Any, n: int) -> list[dict[str, Any]]:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from .reader import open_run
+    from .reader import open_run, same_file
 
     compression = None if args.compression in (None, "none") else args.compression
     if args.to == "dataset":
@@ -257,6 +267,9 @@ def _convert(args: argparse.Namespace) -> int:
             (done,) = export_dataset([args.file], args.out, compression=compression)
         print(f"{args.out}: run {done.name!r}, {done.steps} steps, {done.rows} rows (dataset)")
         return 0
+    if same_file(args.file, args.out):
+        # Writing truncates OUT while FILE is memory-mapped: the run would be lost (SIGBUS).
+        raise _Failed(f"--out: expected a file other than {args.file}, got {args.out}, the same")
     run = open_run(args.file)
     bar = _progress(len(run), "convert", not args.no_progress)
     if args.to == "ipc":
@@ -276,6 +289,10 @@ def _convert(args: argparse.Namespace) -> int:
         from .export import _relaxed
 
         codec = "zstd" if args.compression is None else (compression or "none")
+        if codec not in PARQUET_CODECS:
+            raise _Failed(
+                f"--compression for parquet: expected {', '.join(PARQUET_CODECS)}, got {codec}"
+            )
         schema = _relaxed(run.schema)  # Parquet refuses non-null struct children
         with pq.ParquetWriter(args.out, schema, compression=codec) as writer:
             for step in run:
@@ -333,7 +350,10 @@ def _serve(args: argparse.Namespace) -> int:
     if args.token_env is not None:
         token = os.environ.get(args.token_env)
         if not token:
-            raise _Failed(f"--token-env {args.token_env}: the variable is empty or not set")
+            raise _Failed(
+                f"--token-env {args.token_env}: expected the token in environment variable "
+                f"{args.token_env}, got {'an empty value' if token == '' else 'no such variable'}"
+            )
     kw: dict[str, Any] = {}
     if args.port is not None:
         kw["port"] = args.port

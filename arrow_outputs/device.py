@@ -282,7 +282,7 @@ class StagingPool:
             if not is_tensor(t):
                 raise FieldTypeError(f"tensors[{i}]", "a torch tensor", describe(t))
             nbytes = t.nbytes
-            specs.append((total, tensor_dtype_name(t), tuple(t.shape)))
+            specs.append((total, _dtype_name(t.dtype), tuple(t.shape)))
             staged_bytes += nbytes
             total += -(-nbytes // _ALIGN) * _ALIGN
         slab = self._acquire(max(total, 1))
@@ -311,6 +311,17 @@ class StagingPool:
         with self._cond:
             self._bytes += staged_bytes
         return Staged(lease, specs, event, total)
+
+
+_DTYPE_NAMES: dict[Any, str] = {}
+
+
+def _dtype_name(dtype: Any) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``, remembered per dtype (a step stages the same few)."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
 
 
 def _host_bytes(t: Any, dtype: str) -> np.ndarray | None:
@@ -400,8 +411,9 @@ class Staged:
         )
         out = []
         for off, dtype, shape in self._specs:
-            nbytes = math.prod(shape) * _itemsize(dtype)
-            out.append(whole[off : off + nbytes].view(_BIT_VIEWS.get(dtype, dtype)).reshape(shape))
+            view = _view_dtype(dtype)
+            nbytes = math.prod(shape) * view.itemsize
+            out.append(whole[off : off + nbytes].view(view).reshape(shape))
         return out
 
     def tensor(self, i: int) -> Any:
@@ -416,8 +428,17 @@ class Staged:
         return self._specs[i][2]
 
 
-_ITEMSIZE = {"bfloat16": 2, "bool": 1}
+_VIEW_DTYPES: dict[str, np.dtype[Any]] = {}
+
+
+def _view_dtype(dtype: str) -> np.dtype[Any]:
+    """The numpy dtype a staged tensor is viewed as (bfloat16 and bool as their bits), made
+    once per name: parsing a dtype name costs more than the view itself."""
+    got = _VIEW_DTYPES.get(dtype)
+    if got is None:
+        got = _VIEW_DTYPES[dtype] = np.dtype(_BIT_VIEWS.get(dtype, dtype))
+    return got
 
 
 def _itemsize(dtype: str) -> int:
-    return _ITEMSIZE.get(dtype) or np.dtype(dtype).itemsize
+    return _view_dtype(dtype).itemsize

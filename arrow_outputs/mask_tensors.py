@@ -17,13 +17,18 @@ request-major: row ``r`` is slot ``r % rows_per_request`` of request
 ``count <= width`` is read from ``token_ids``; a wider row (ties at a top-k boundary,
 top-p alone, a huge top-k) is read from its ``packed_mask`` row.
 
-Host forms, both built by one vectorised routine (:func:`_supports`):
+Host forms, both built without a Python loop over rows:
 
 * :meth:`SamplingMaskTensors.tolists` -> vLLM's CSR
   :class:`~arrow_outputs.outputs.SamplingMaskLists` (int32 ``token_ids``, int64
   ``offsets``), value for value what vLLM's per-row loop returns;
 * :func:`mask_tensors_to_arrow` -> ``list<large_list<int32>>``, the array
   :func:`~arrow_outputs.masks.sampling_masks_to_arrow` makes of those lists.
+
+With the C accelerator built, one call (``_speedups.mask_supports``, specified by
+``_pyspeedups.mask_supports``) checks the three host arrays and writes the ids and offsets;
+it declines anything irregular, and the vectorised numpy routine (:func:`_supports`, also
+the whole implementation without the accelerator) then runs and raises the precise error.
 
 Only this module's torch-facing methods import torch, and only when called.
 """
@@ -32,7 +37,7 @@ from __future__ import annotations
 
 import operator
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -51,6 +56,12 @@ from .errors import (
 )
 from .masks import SAMPLING_MASK_TYPE
 from .outputs import SamplingMaskLists
+
+_build_array: Callable[[Any], tuple[Any, int]] | None
+try:  # the compiled assembly, where built (the fast path runs only on the compiled path)
+    from ._speedups import build_array as _build_array
+except ImportError:
+    _build_array = None
 
 if TYPE_CHECKING:
     import torch
@@ -370,6 +381,14 @@ class SamplingMaskTensors(NamedTuple):
         >>> lists.token_ids.tolist(), lists.offsets.tolist(), lists.cu_num_generated_tokens
         ([3, 5, 1], [0, 2, 2, 3], None)
         """
+        got = _c_supports(self, num_sampled_tokens) if _accel.accelerated() else None
+        if got is not None:
+            ids, offs, cu_bytes = got
+            return SamplingMaskLists(
+                np.frombuffer(ids, np.int32),
+                np.frombuffer(offs, np.int64),
+                None if cu_bytes is None else np.frombuffer(cu_bytes, np.int32).tolist(),
+            )
         flat, offsets, cu = _supports(self, num_sampled_tokens, host_copy=True)
         return SamplingMaskLists(flat, offsets, None if cu is None else cu.tolist())
 
@@ -425,6 +444,9 @@ def mask_tensors_to_arrow(masks: Any, num_sampled_tokens: Any = None) -> pa.List
     >>> mask_tensors_to_arrow(m, np.array([2, 1])).to_pylist()
     [[[3, 5], [7]], [[0, 1, 2]]]
     """
+    got = _c_supports(masks, num_sampled_tokens) if _accel.accelerated() else None
+    if got is not None:
+        return _arrow_of_c(*got)
     flat, offsets, cu = _supports(masks, num_sampled_tokens, host_copy=False)
     return _arrow_of(flat, offsets, cu)
 
@@ -445,6 +467,29 @@ def mask_array_supports(
     tuple of numpy.ndarray
         int32 ids, int64 inner (CSR) offsets, int32 outer offsets (read-only when cached).
     """
+    # Only numpy arrays go to the C walk: it reads any buffer, the checks below refuse others.
+    if (
+        _accel.accelerated()
+        and type(token_ids) is np.ndarray
+        and type(packed_mask) is np.ndarray
+        and type(counts) is np.ndarray
+    ):
+        got = _accel.mask_supports(
+            token_ids,
+            packed_mask,
+            counts,
+            vocab_size,
+            rows_per_request,
+            _host_ints(num_sampled_tokens),
+        )
+        if got is not None:
+            ids, offs, cu_bytes = got
+            num_pos = len(offs) // 8 - 1
+            return (
+                np.frombuffer(ids, np.int32),
+                np.frombuffer(offs, np.int64),
+                _arange_offsets(num_pos) if cu_bytes is None else np.frombuffer(cu_bytes, np.int32),
+            )
     arrays = (token_ids, packed_mask, counts)
     for name, a, dtype, ndim in zip(_PARTS, arrays, ("int32", "uint8", "int32"), (2, 2, 1)):
         if type(a) is not np.ndarray:
@@ -474,6 +519,37 @@ def _outer_offsets(num_pos: int, cu: np.ndarray | None) -> np.ndarray:
     return _arange_offsets(num_pos) if cu is None else cu.astype(np.int32)
 
 
+def _arrow_of_c(ids: bytearray, offsets: bytearray, cu: bytearray | None) -> pa.ListArray:
+    """:func:`_arrow_of` over the C walk's buffers (taken as they are, no copy).
+
+    One Arrow C Data Interface import of the three nodes (``_speedups.build_array``, the
+    record-batch codec's assembly) costs about half of three ``Array.from_buffers`` calls;
+    ``validate`` then makes the checks ``from_buffers`` makes.
+    """
+    num_pos = len(offsets) // 8 - 1
+    num_reqs = num_pos if cu is None else len(cu) // 4 - 1
+    outer: Any = _arange_offsets(num_pos) if cu is None else cu
+    if _build_array is not None:
+        node = (
+            num_reqs,
+            0,
+            (None, outer),
+            ((num_pos, 0, (None, offsets), ((len(ids) // 4, 0, (None, ids), ()),)),),
+        )
+        capsule, address = _build_array(node)
+        arr = pa.Array._import_from_c(address, SAMPLING_MASK_TYPE)
+        del capsule  # moved into the array by the import
+        arr.validate()
+        return arr
+    values = pa.Array.from_buffers(_ID_TYPE, len(ids) // 4, [None, pa.py_buffer(ids)])
+    inner = pa.Array.from_buffers(
+        _INNER_TYPE, num_pos, [None, pa.py_buffer(offsets)], children=[values]
+    )
+    return pa.Array.from_buffers(
+        SAMPLING_MASK_TYPE, num_reqs, [None, pa.py_buffer(outer)], children=[inner]
+    )
+
+
 def _arrow_of(flat: np.ndarray, offsets: np.ndarray, cu: np.ndarray | None) -> pa.ListArray:
     """``list<large_list<int32>>`` over the supports' buffers (no copy of ids or offsets)."""
     num_pos = len(offsets) - 1
@@ -490,6 +566,55 @@ def _arrow_of(flat: np.ndarray, offsets: np.ndarray, cu: np.ndarray | None) -> p
 
 
 # ----------------------------------------------------------------------------- host side
+
+
+def _c_supports(masks: Any, num_sampled_tokens: Any) -> tuple[Any, Any, Any] | None:
+    """The C walk over a mask's host fields (``_speedups.mask_supports``): its bytearrays, or
+    None where it does not apply. The walk checks every type, shape and count itself and
+    declines anything irregular; the numpy path then runs, and raises the precise error, so
+    errors never depend on which path ran. Here only the cheap conversions: host tensors
+    viewed as numpy (no copy); anything else (device tensors, lists) goes the numpy way."""
+    try:
+        tok, bits, counts = masks.token_ids, masks.packed_mask, masks.counts
+        vocab_size = masks.vocab_size
+    except AttributeError:
+        return None
+    tok, bits, counts = _host_view(tok), _host_view(bits), _host_view(counts)
+    if tok is None or bits is None or counts is None:
+        return None
+    rpr = getattr(masks, "rows_per_request", 1)
+    return _accel.mask_supports(tok, bits, counts, vocab_size, rpr, _host_ints(num_sampled_tokens))
+
+
+_NO_COUNTS = np.zeros(0, np.int64)  # an empty list of counts, as numpy
+_NO_COUNTS.flags.writeable = False
+
+
+def _host_view(x: Any) -> np.ndarray | None:
+    """A numpy array as it is, a host tensor's numpy view; None for anything else."""
+    if type(x) is np.ndarray:
+        return x
+    if is_tensor(x) and x.is_cpu:
+        try:
+            return x.numpy()  # shares the memory (integer tensors: no bits to reinterpret)
+        except (TypeError, RuntimeError):  # a dtype numpy lacks, a tensor needing grad
+            return None
+    return None
+
+
+def _host_ints(x: Any) -> Any:
+    """``num_sampled_tokens`` for the C walk: None, a numpy array, a host tensor's view, a
+    list as numpy. Anything else becomes an object the walk declines, so that the numpy path
+    accepts or refuses it (it takes numpy arrays and tensors only)."""
+    if x is None or isinstance(x, np.ndarray):
+        return x
+    if isinstance(x, (list, tuple)):
+        return np.asarray(x) if len(x) else _NO_COUNTS
+    view = _host_view(x)
+    return _DECLINED if view is None else view
+
+
+_DECLINED = object()  # no buffer protocol: the C walk declines it
 
 
 def _supports(
@@ -560,17 +685,6 @@ def _supports_of(
         # Positions are the active rows; dropped rows have length 0, so the offsets at the
         # active rows' ends are the CSR offsets.
         offsets = np.concatenate((all_offsets[:1], all_offsets[1:][active]))
-
-    # The C walk, when built: one pass over the rows (compact copy or bit scan per row). It
-    # gives up on anything irregular (a negative count among them), and the numpy path below
-    # raises the precise error.
-    total = int(all_offsets[-1])
-    if rows and total >= 0 and _accel.accelerated():
-        flat = np.empty(total, dtype=np.int32)
-        tok = np.ascontiguousarray(token_ids)
-        bits = np.ascontiguousarray(packed)
-        if _accel.mask_rows(tok, width, bits, bits.shape[1], lens, vocab_size, flat):
-            return flat, offsets, cu
 
     # Seen as unsigned, a negative count is huge: one reduction finds the rows that need a
     # second look (wider than the compact row, or negative).

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import pyarrow as pa
 
 from .batch import from_record_batch, step_metadata
-from .errors import ArrowOutputsError, CorruptFileError, FieldTypeError
+from .errors import ArrowOutputsError, ConsistencyError, CorruptFileError, FieldTypeError
 from .schema import check_format, column_types
 from .writer import KEY_END, KEY_PROGRESS, OutputWriter
 
@@ -232,8 +232,14 @@ def follow(
     end marker (a writer that died) raises :class:`CorruptFileError`; by default it waits as
     long as the writer takes. Batches are read into memory (not memory-mapped).
     """
-    if poll_interval <= 0:
-        raise FieldTypeError("poll_interval", "a positive number of seconds", repr(poll_interval))
+    if not _seconds(poll_interval) or not poll_interval > 0:
+        raise FieldTypeError(
+            "poll_interval", "a positive number of seconds", repr(poll_interval)[:60]
+        )
+    if idle_timeout is not None and (not _seconds(idle_timeout) or not idle_timeout >= 0):
+        raise FieldTypeError(
+            "idle_timeout", "None or a number of seconds >= 0", repr(idle_timeout)[:60]
+        )
     name = os.fspath(path)
     tail = _Tail(name, poll_interval, idle_timeout)
     try:
@@ -361,6 +367,11 @@ def recover(source: str | os.PathLike[str], out: Any, *, format: str = "stream")
     :class:`OutputWriter`), which gets its own end marker.
     """
     name = os.fspath(source)
+    if isinstance(out, (str, os.PathLike)) and same_file(name, out):
+        # The writer truncates `out` first: the run being saved would be destroyed.
+        raise ConsistencyError(
+            "out", "a file other than the run being recovered", f"{os.fspath(out)!r}, the same"
+        )
     size = _file_size(name)
     tail = _Tail(name, 0.01, None, wait=False)
     steps = rows = dropped = 0
@@ -402,6 +413,18 @@ def recover(source: str | os.PathLike[str], out: Any, *, format: str = "stream")
         tail.close()
     lost = 0 if complete else max(size - consumed, 0)
     return RecoveryReport(steps, rows, complete, lost, None if complete else reason, dropped)
+
+
+def _seconds(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def same_file(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
+    """Whether the paths ``a`` and ``b`` name one existing file (links included)."""
+    try:
+        return os.path.samefile(a, b)
+    except (OSError, ValueError):
+        return False
 
 
 # -- shared checks -----------------------------------------------------------------------

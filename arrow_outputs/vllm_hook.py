@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import copy
+import copyreg
 import logging
 import os
 import threading
@@ -196,16 +197,50 @@ def arrow_scheduler(
 
     elif writer_options:
         raise FieldTypeError("path", "a path when writer options are given", "None")
-    return type(
+    return _picklable_meta(type(base))(
         f"Arrow{base.__name__}",
         (_Recording, base),
         {
             "_arrow_writer_factory": None if factory is None else staticmethod(factory),
             "_arrow_skip_empty": skip_empty,
+            "_arrow_recipe": (base, path, skip_empty, writer_options),
             "__module__": __name__,
             "__qualname__": f"Arrow{base.__name__}",
         },
     )
+
+
+# vLLM may start its engine core with `spawn` and then pickles `scheduler_cls` with the
+# config. A class made here is not reachable by its name, so pickling by reference would fail:
+# its metaclass reduces it to the call that makes it again (the base pickles by reference).
+_metas: dict[type, type] = {}
+
+
+def _picklable_meta(meta: type) -> type:
+    with _lock:
+        made = _metas.get(meta)
+        if made is None:
+            made = _metas[meta] = type(f"_Arrow{meta.__name__}", (meta,), {})
+            copyreg.pickle(made, _reduce_class)
+    return made
+
+
+def _reduce_class(cls: Any) -> tuple[Any, tuple[Any, ...]]:
+    name = cls.__dict__.get("_arrow_name")
+    if name is not None:  # ArrowScheduler / ArrowAsyncScheduler: by name, as vLLM does
+        return _named_class, (name,)
+    base, path, skip_empty, writer_options = cls.__dict__["_arrow_recipe"]
+    return _rebuild_class, (base, path, skip_empty, writer_options)
+
+
+def _named_class(name: str) -> type:
+    return __getattr__(name)
+
+
+def _rebuild_class(
+    base: type, path: str | None, skip_empty: bool, writer_options: dict[str, Any]
+) -> type:
+    return arrow_scheduler(base, path, skip_empty=skip_empty, **writer_options)
 
 
 def __getattr__(name: str) -> type:
@@ -221,5 +256,6 @@ def __getattr__(name: str) -> type:
             built = arrow_scheduler(base)
             built.__name__ = built.__qualname__ = name
             cast(Any, built)._arrow_skip_empty = None  # the environment decides
+            cast(Any, built)._arrow_name = name
             _built[name] = built
     return _built[name]

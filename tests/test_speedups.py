@@ -47,6 +47,7 @@ FUNCS = (
     "str_list",
     "split_int_lists",
     "mask_rows",
+    "mask_supports",
     "int_offsets",
     "same_items",
 )

@@ -1,0 +1,414 @@
+"""The decode side's one-walk C path (``_speedups.decode_batch``, used by ``from_record_batch``).
+
+The column decoders of ``arrow_outputs.batch`` are its specification: for every batch the C
+walk either gives what they give (equal outputs, zero-copy views of the batch's buffers) or
+declines, and they then decode it or raise their own error. These tests check that the walk
+is taken for vLLM's everyday steps, that its arrays are read-only views that keep the
+batch's memory alive, that it declines what it should (so errors are the pure path's), and
+that no hostile batch crashes it.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import random
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+import arrow_outputs as ao
+from arrow_outputs import LogprobsLists, ModelRunnerOutput, SamplingMaskLists, _accel
+from arrow_outputs import batch as batch_module
+
+pytestmark = pytest.mark.skipif(not _accel.AVAILABLE, reason="the C accelerator is not built")
+
+
+@pytest.fixture(autouse=True)
+def _c_path() -> Iterator[None]:
+    was = _accel.accelerated()
+    _accel.set_pure_python(False)
+    yield
+    _accel.set_pure_python(not was)
+
+
+def _ids(n: int, seed: int) -> list[str]:
+    return [f"cmpl-{seed}-{i}-é" if i % 3 == 0 else f"r{seed}-{i}" for i in range(n)]
+
+
+def _lp(p: int, width: int, id_dtype: Any, rank_dtype: Any, rng: Any) -> tuple[Any, Any, Any]:
+    ids = rng.integers(0, 128_000, (p, width)).astype(id_dtype)
+    lps = -rng.random((p, width)).astype(np.float32)
+    ranks = rng.integers(1, 9, p).astype(rank_dtype)
+    return ids, lps, ranks
+
+
+def decode_lp(n: int, seed: int = 0, id_dtype: Any = np.int64, cu: bool = False) -> Any:
+    """One token per request, 5 logprobs each; cu None (vLLM's plain decode) or a list."""
+    rng = np.random.default_rng(seed)
+    req = _ids(n, seed)
+    sampled = rng.integers(0, 128_000, (n, 1)).tolist()
+    ids, lps, ranks = _lp(n, 5, id_dtype, np.int64, rng)
+    return ModelRunnerOutput(
+        req,
+        {r: i for i, r in enumerate(req)},
+        sampled,
+        LogprobsLists(ids, lps, ranks, list(range(n + 1)) if cu else None),
+    )
+
+
+def spec_lp(n: int, seed: int = 0, rank_dtype: Any = np.int64) -> Any:
+    """1-4 accepted tokens per request (lists of different lengths), one logprob row each."""
+    rng = np.random.default_rng(seed)
+    req = _ids(n, seed)
+    k = rng.integers(1, 5, n)
+    cu = [0, *np.cumsum(k).tolist()]
+    flat = rng.integers(0, 128_000, cu[-1])
+    ids, lps, ranks = _lp(cu[-1], 3, np.int64, rank_dtype, rng)
+    return ModelRunnerOutput(
+        req,
+        {r: i for i, r in enumerate(req)},
+        [flat[a:b].tolist() for a, b in itertools.pairwise(cu)],
+        LogprobsLists(ids, lps, ranks, cu),
+    )
+
+
+def masked(n: int, seed: int = 0, cu: bool = False) -> Any:
+    """A CSR sampling mask per request (some rows empty), no logprobs."""
+    rng = np.random.default_rng(seed)
+    req = _ids(n, seed)
+    lens = rng.integers(0, 6, n)
+    offsets = np.zeros(n + 1, np.int64)
+    np.cumsum(lens, out=offsets[1:])
+    return ModelRunnerOutput(
+        req,
+        {r: i for i, r in enumerate(req)},
+        rng.integers(0, 100, (n, 1)).tolist(),
+        sampling_masks=SamplingMaskLists(
+            rng.integers(0, 128_000, int(offsets[-1])).astype(np.int32),
+            offsets,
+            list(range(n + 1)) if cu else None,
+        ),
+    )
+
+
+def pooling(n: int, seed: int = 0) -> Any:
+    """A pooling step's shape without its tensors: requests, and no sampled ids at all."""
+    req = _ids(n, seed)
+    return ModelRunnerOutput(req, {r: i for i, r in enumerate(req)}, [])
+
+
+STEPS: list[Callable[[], Any]] = [
+    lambda: decode_lp(1),
+    lambda: decode_lp(64, 1),
+    lambda: decode_lp(7, 2, id_dtype=np.int32),
+    lambda: decode_lp(9, 3, cu=True),
+    lambda: spec_lp(1),
+    lambda: spec_lp(50, 4, rank_dtype=np.int32),
+    lambda: masked(1),
+    lambda: masked(33, 5),
+    lambda: masked(5, 6, cu=True),
+    lambda: pooling(3),
+]
+STEP_IDS = [
+    "decode-1",
+    "decode-64",
+    "decode-int32-ids",
+    "decode-cu-list",
+    "spec-1",
+    "spec-50-int32-ranks",
+    "mask-1",
+    "mask-33",
+    "mask-cu-list",
+    "pooling",
+]
+
+
+def _on_pure(call: Callable[[], Any]) -> Any:
+    _accel.set_pure_python(True)
+    try:
+        return call()
+    finally:
+        _accel.set_pure_python(False)
+
+
+def _outcome(call: Callable[[], Any]) -> Any:
+    # Any exception: with validate=False the pure path trusts the batch, and may let
+    # pyarrow's own error out (bad UTF-8); the C path must then give that very error too.
+    try:
+        return "ok", call()
+    except Exception as e:
+        return "error", (type(e), str(e))
+
+
+def _both_paths(batch: pa.RecordBatch, meta: Any, validate: bool) -> tuple[Any, Any]:
+    """The outcome of decoding ``batch`` on the C path, then on the pure-Python path."""
+
+    def call() -> Any:
+        return ao.from_record_batch(batch, custom_metadata=meta, validate=validate)
+
+    return _outcome(call), _on_pure(lambda: _outcome(call))
+
+
+def _ipc(batch: pa.RecordBatch) -> tuple[pa.RecordBatch, Any, pa.Buffer]:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, ao.run_schema(batch)) as writer:
+        writer.write_batch(batch, custom_metadata=ao.step_custom_metadata(batch))
+    data = sink.getvalue()
+    read, meta = pa.ipc.open_stream(data).read_next_batch_with_custom_metadata()
+    return read, meta, data
+
+
+def _walked(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the C walk's successes; makes the column decoders fail loudly if they run."""
+    taken: list[int] = []
+    real = batch_module._decode_fast
+
+    def fast(*args: Any) -> Any:
+        got = real(*args)
+        taken.append(got is not None)
+        return got
+
+    monkeypatch.setattr(batch_module, "_decode_fast", fast)
+    return taken
+
+
+def _arrays(out: Any) -> list[np.ndarray]:
+    found = []
+    if out.logprobs is not None:
+        found += [
+            out.logprobs.logprob_token_ids,
+            out.logprobs.logprobs,
+            out.logprobs.sampled_token_ranks,
+        ]
+    if out.sampling_masks is not None:
+        found += [out.sampling_masks.token_ids, out.sampling_masks.offsets]
+    return found
+
+
+@pytest.mark.parametrize("make", STEPS, ids=STEP_IDS)
+@pytest.mark.parametrize("validate", [True, False])
+def test_decode_batch_takes_the_walk_and_equals_the_pure_path(
+    make: Callable[[], Any], validate: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = make()
+    taken = _walked(monkeypatch)
+    for batch in (_on_pure(lambda: ao.to_record_batch(out, step=5)), ao.to_record_batch(out)):
+        read, meta, _ = _ipc(batch)
+        for b, custom in ((batch, None), (read, meta)):
+            c = ao.from_record_batch(b, custom_metadata=custom, validate=validate)
+            py = _both_paths(b, custom, True)[1][1]
+            ao.assert_outputs_equal(c, py)  # strict: kinds, dtypes, shapes, values
+            ao.assert_outputs_equal(c, out)
+            assert all(type(v) is int for row in c.sampled_token_ids for v in row)
+            assert type(c.req_ids) is list
+            assert all(type(r) is str for r in c.req_ids)
+            assert c.req_id_to_index == {r: i for i, r in enumerate(out.req_ids)}
+    assert taken == [True] * 8  # each batch decoded twice on the C path
+
+
+@pytest.mark.parametrize("make", STEPS[:-1], ids=STEP_IDS[:-1])
+def test_decode_batch_views_are_zero_copy_and_read_only(make: Callable[[], Any]) -> None:
+    out = make()
+    batch = ao.to_record_batch(out, step=1)
+    read, meta, data = _ipc(batch)
+    back = ao.from_record_batch(read, custom_metadata=meta)
+    arrays = _arrays(back)
+    assert arrays
+    lo, hi = data.address, data.address + data.size
+    for arr in arrays:
+        assert arr.flags.writeable is False
+        assert lo <= arr.ctypes.data
+        assert arr.ctypes.data + arr.nbytes <= hi
+    # In memory: the producer's own arrays, not copies.
+    back = ao.from_record_batch(batch)
+    if out.logprobs is not None:
+        assert back.logprobs.logprobs.ctypes.data == out.logprobs.logprobs.ctypes.data
+        assert back.logprobs.logprob_token_ids.ctypes.data == (
+            out.logprobs.logprob_token_ids.ctypes.data
+        )
+    if out.sampling_masks is not None:
+        m = back.sampling_masks
+        assert m.token_ids.ctypes.data == out.sampling_masks.token_ids.ctypes.data
+        assert m.offsets.ctypes.data == out.sampling_masks.offsets.ctypes.data
+    with pytest.raises(ValueError, match="read-only"):
+        arrays[0][...] = 0
+
+
+def test_decode_batch_views_keep_the_memory_alive() -> None:
+    out = spec_lp(40, 9)
+    expected = out.logprobs.logprobs.copy()
+    batch = ao.to_record_batch(out, step=2)
+    read, meta, data = _ipc(batch)
+    back = ao.from_record_batch(read, custom_metadata=meta)
+    del read, meta, data, batch, out
+    gc.collect()
+    # Other allocations of the same size may now reuse freed memory; the views must not see it.
+    junk = [np.full(expected.shape, 7.0, np.float32) for _ in range(64)]
+    assert np.array_equal(back.logprobs.logprobs, expected)
+    del junk
+
+
+def test_decode_batch_declines_slices_and_empty_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    out = spec_lp(6, 1)
+    batch = ao.to_record_batch(out, step=1)
+    taken = _walked(monkeypatch)
+    part = ao.from_record_batch(batch.slice(2, 3))
+    assert part.req_ids == out.req_ids[2:5]
+    assert part.sampled_token_ids == out.sampled_token_ids[2:5]
+    empty = ModelRunnerOutput([], {}, [])
+    assert ao.from_record_batch(ao.to_record_batch(empty, step=0)).req_ids == []
+    assert taken == [False, False]
+
+
+def _replace(batch: pa.RecordBatch, name: str, col: pa.Array) -> pa.RecordBatch:
+    i = batch.schema.get_field_index(name)
+    cols = [col if j == i else batch.column(j) for j in range(batch.num_columns)]
+    return pa.RecordBatch.from_arrays(cols, schema=batch.schema)
+
+
+def _list_with_offsets(col: pa.Array, offsets: list[int]) -> pa.Array:
+    """``col`` (a list array) with other offsets over the same child, unvalidated."""
+    buf = pa.py_buffer(np.array(offsets, np.int32))
+    return pa.Array.from_buffers(col.type, len(col), [None, buf], children=[col.values])
+
+
+def _hostile_batches() -> Iterator[tuple[str, pa.RecordBatch, Any]]:
+    """Batches that pass pyarrow's cheap validate() (sizes, first and last offsets) but not
+    full validation, or break the format's own rules: each with its IPC custom metadata."""
+    out = spec_lp(4, 3)
+    batch = ao.to_record_batch(out, step=1)
+    read, meta, _ = _ipc(batch)
+    sampled = read.column("sampled_token_ids")
+    offs = np.asarray(sampled.buffers()[1]).view(np.int32)[: len(sampled) + 1].tolist()
+    bad = [offs[0], offs[2], offs[1], *offs[3:]]  # middle offsets out of order
+    yield (
+        "sampled-offsets",
+        _replace(read, "sampled_token_ids", _list_with_offsets(sampled, bad)),
+        meta,
+    )
+    lp = read.column("logprobs")
+    lp_offs = np.asarray(lp.buffers()[1]).view(np.int32)[: len(lp) + 1].tolist()
+    bad = [lp_offs[0], lp_offs[2], lp_offs[1], *lp_offs[3:]]
+    yield "logprob-offsets", _replace(read, "logprobs", _list_with_offsets(lp, bad)), meta
+    req = read.column("req_id")
+    r_offs = np.asarray(req.buffers()[1]).view(np.int32)[: len(req) + 1].tolist()
+    bad_r = pa.py_buffer(np.array([r_offs[0], r_offs[2], r_offs[1], *r_offs[3:]], np.int32))
+    bad_req = pa.Array.from_buffers(pa.string(), len(req), [None, bad_r, req.buffers()[2]])
+    yield "req-id-offsets", _replace(read, "req_id", bad_req), meta
+    bad_utf8 = pa.Array.from_buffers(
+        pa.string(),
+        4,
+        [None, pa.py_buffer(np.array([0, 1, 2, 3, 4], np.int32)), pa.py_buffer(b"a\xffcd")],
+    )
+    yield "req-id-utf8", _replace(read, "req_id", bad_utf8), meta
+    dup = pa.array(["a", "b", "a", "c"], pa.string())
+    yield "duplicate-ids", _replace(read, "req_id", dup), meta
+    index = pa.array([0, 1, 3, 2], pa.int32())
+    yield "req-index-order", _replace(read, "req_index", index), meta
+    steps = pa.array([1, 1, 2, 1], pa.int64())
+    yield "step-values", _replace(read, "step", steps), meta
+    mout = masked(4, 2)
+    mread, mmeta, _ = _ipc(ao.to_record_batch(mout, step=1))
+    mask = mread.column("sampling_mask")
+    inner = mask.values
+    csr = np.asarray(inner.buffers()[1]).view(np.int64)[: len(inner) + 1].copy()
+    csr[1], csr[2] = csr[2] + 1, csr[1]
+    bad_inner = pa.Array.from_buffers(
+        inner.type, len(inner), [None, pa.py_buffer(csr)], children=[inner.values]
+    )
+    bad_mask = pa.Array.from_buffers(
+        mask.type, len(mask), [None, mask.buffers()[1]], children=[bad_inner]
+    )
+    yield "mask-csr", _replace(mread, "sampling_mask", bad_mask), mmeta
+    nulls = pa.array([None, 1, None, 2], pa.int32())
+    yield "claimed-absent-nans", _replace(read, "num_nans_in_logits", nulls), meta
+
+
+@pytest.mark.parametrize("validate", [True, False])
+def test_decode_batch_hostile_batches_give_the_pure_paths_outcome(validate: bool) -> None:
+    seen = 0
+    for name, batch, meta in _hostile_batches():
+        c, py = _both_paths(batch, meta, validate)
+        assert c[0] == py[0], name
+        if c[0] == "error":
+            assert c[1] == py[1], name
+        else:
+            ao.assert_outputs_equal(c[1], py[1])
+        if validate:
+            assert c[0] == "error", name  # full validation or the format refuses each
+            assert issubclass(c[1][0], ao.ArrowOutputsError), name
+        seen += 1
+    assert seen == 9
+
+
+def test_decode_batch_mutated_ipc_never_crashes_and_matches_the_pure_path() -> None:
+    rng = random.Random(6)
+    sources = [decode_lp(8, 1), spec_lp(8, 2), masked(8, 3)]
+    streams = []
+    for out in sources:
+        _, _, data = _ipc(ao.to_record_batch(out, step=1))
+        streams.append(data.to_pybytes())
+    outcomes: list[str] = []
+    for trial in range(240):
+        raw = bytearray(streams[trial % len(streams)])
+        for _ in range(rng.randint(1, 4)):
+            raw[rng.randrange(len(raw))] = rng.randrange(256)
+        try:
+            read, meta = pa.ipc.open_stream(bytes(raw)).read_next_batch_with_custom_metadata()
+        except (pa.ArrowException, OSError, ValueError):
+            continue  # pyarrow refused the stream itself
+        for validate in (True, False):
+            if not validate:
+                try:
+                    read.validate()
+                except pa.ArrowInvalid:
+                    continue  # without validation the pure path trusts sizes: not comparable
+            c, py = _both_paths(read, meta, validate)
+            assert c[0] == py[0], trial
+            if c[0] == "error":
+                assert c[1] == py[1], trial
+            else:
+                ao.assert_outputs_equal(c[1], py[1])
+            outcomes.append(c[0])
+    # Enough mutations reach the decoders, and both ways out are exercised.
+    assert len(outcomes) >= 100
+    assert outcomes.count("ok") >= 20
+    assert outcomes.count("error") >= 20
+
+
+def test_decode_batch_low_level_declines_and_checks_its_plan() -> None:
+    from arrow_outputs import _speedups
+
+    out = decode_lp(3)
+    batch = ao.to_record_batch(out, step=4)
+    plan = batch_module._FAST_COLUMNS
+    absent = tuple(range(5, 11))
+
+    def walk(step: Any = 4, n: int = 3, sampled: int = 8, lp: Any = (8, 8, False, 5)) -> Any:
+        capsule, address = _speedups.array_slot()
+        batch._export_to_c(address)
+        return _speedups.decode_batch(capsule, n, plan, step, absent, sampled, lp, None)
+
+    got = walk()
+    assert got is not None
+    assert got[0] == out.req_ids
+    assert walk(step=5) is None  # another step's number in the column
+    assert walk(step=None) is None  # the column is not all null
+    assert walk(n=2) is None  # not the batch's row count
+    assert walk(sampled=0) is None  # a pooling claim over sampled ids
+    assert walk(lp=(8, 8, False, 6)) is None  # another width than the layout's
+    assert walk(lp=(8, 8, True, -1))[3][5] == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="bad logprobs spec"):
+        walk(lp=(3, 8, False, 5))
+    with pytest.raises(TypeError):
+        walk(sampled=5)
+    capsule, _ = _speedups.array_slot()  # never exported into: released, so declined
+    assert _speedups.decode_batch(capsule, 3, plan, 4, absent, 8, None, None) is None
+    capsule, address = _speedups.array_slot()
+    batch._export_to_c(address)
+    with pytest.raises(ValueError, match="column position out of range"):
+        _speedups.decode_batch(capsule, 3, (0, 1, 2, 3, 4, 99), 4, absent, 8, None, None)
