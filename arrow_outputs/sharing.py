@@ -779,21 +779,27 @@ class SharedStep:
         The record batch, validated unless the subscriber was made with ``validate=False``.
     custom_metadata
         The batch's IPC custom metadata (its step JSON).
+    validated
+        Whether the subscriber validated the batch in full (it does unless made with
+        ``validate=False``).
     """
 
-    __slots__ = ("batch", "custom_metadata", "seq")
+    __slots__ = ("batch", "custom_metadata", "seq", "validated")
 
-    def __init__(self, seq: int, batch: pa.RecordBatch, custom_metadata: Any) -> None:
+    def __init__(
+        self, seq: int, batch: pa.RecordBatch, custom_metadata: Any, validated: bool = False
+    ) -> None:
         self.seq = seq
         self.batch = batch
         self.custom_metadata = custom_metadata
+        self.validated = validated
 
     def output(self, **kwargs: Any) -> Any:
         """The step as a ``ModelRunnerOutput`` (:func:`~arrow_outputs.from_record_batch`;
         arrays are read-only views of the shared buffers). Keyword arguments go to
-        ``from_record_batch``. Its default ``validate=True`` is kept even for a batch the
-        subscriber validated: ``from_record_batch`` is faster with it than without (its
-        ``validate=False`` path makes slower checks of its own; see benchmarks/README.md)."""
+        ``from_record_batch``; the full validation is not repeated for a batch the subscriber
+        validated (``validate=True`` re-runs it)."""
+        kwargs.setdefault("validate", not self.validated)
         return from_record_batch(self.batch, custom_metadata=self.custom_metadata, **kwargs)
 
     def step_metadata(self) -> dict[str, Any]:
@@ -1061,7 +1067,7 @@ class StepSubscriber:
                 raise SchemaMismatchError(
                     f"step {seq}", "a record batch that passes full validation", str(e)
                 ) from e
-        return SharedStep(seq, batch, custom)
+        return SharedStep(seq, batch, custom, self._validate)
 
     def _decode(self, data: pa.Buffer, where: str) -> tuple[pa.RecordBatch, Any]:
         """One record-batch message that fills ``data`` exactly: the batch (its buffers are
