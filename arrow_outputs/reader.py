@@ -104,7 +104,16 @@ class RunReader:
         self.format = "file" if buf.size >= 6 and buf[:6].to_pybytes() == _FILE_MAGIC else "stream"
         with _as_corrupt(self.name):
             if self.format == "file":
-                reader = pa.ipc.open_file(buf)
+                try:
+                    reader = pa.ipc.open_file(buf)
+                except pa.ArrowInvalid as e:
+                    # A file-format run whose writer died has no footer: say what saves it.
+                    raise CorruptFileError(
+                        self.name,
+                        "an Arrow IPC file with its footer (a writer that died leaves none; "
+                        "arrow_outputs.recover saves its whole steps)",
+                        _short(e),
+                    ) from e
                 self.schema: pa.Schema = reader.schema
                 messages = (
                     reader.get_batch_with_custom_metadata(i)

@@ -214,10 +214,11 @@ def arrow_scheduler(
 # config. A class made here is not reachable by its name, so pickling by reference would fail:
 # its metaclass reduces it to the call that makes it again (the base pickles by reference).
 _metas: dict[type, type] = {}
+_metas_lock = threading.Lock()  # not _lock: __getattr__ holds that one while it builds
 
 
 def _picklable_meta(meta: type) -> type:
-    with _lock:
+    with _metas_lock:
         made = _metas.get(meta)
         if made is None:
             made = _metas[meta] = type(f"_Arrow{meta.__name__}", (meta,), {})
@@ -252,7 +253,13 @@ def __getattr__(name: str) -> type:
             import importlib
 
             module, cls = _BASES[name]
-            base = getattr(importlib.import_module(module), cls)
+            try:
+                base = getattr(importlib.import_module(module), cls)
+            except ImportError as e:  # hasattr() says False; the message says why
+                raise AttributeError(
+                    f"module {__name__!r} has no attribute {name!r}: it is built from vLLM's "
+                    f"{module}.{cls}, which cannot be imported ({e})"
+                ) from e
             built = arrow_scheduler(base)
             built.__name__ = built.__qualname__ = name
             cast(Any, built)._arrow_skip_empty = None  # the environment decides

@@ -70,11 +70,13 @@ def test_inspect_reports_an_incomplete_run(run_path, tmp_path, capsys):
 def test_bad_files_and_arguments_give_one_line_and_no_traceback(run_path, tmp_path):
     garbage = tmp_path / "garbage.arrows"
     garbage.write_bytes(run_path.read_bytes()[:300])
+    pq_out = str(tmp_path / "x.parquet")
     cases = [
         (["inspect", str(tmp_path / "missing.arrows")], 1),
         (["inspect", str(garbage)], 1),
         (["convert", str(garbage), "--to", "ipc", "-o", str(tmp_path / "x")], 1),
         (["convert", str(run_path), "--to", "ipc", "--compression", "gzip", "-o", "x"], 1),
+        (["convert", str(run_path), "--to", "parquet", "--compression", "bogus", "-o", pq_out], 1),
         (["recover", str(tmp_path / "missing"), "-o", str(tmp_path / "x")], 1),
         (["bench", "nope"], 1),
         (["inspect", str(run_path), "--rows", "-1"], 2),
@@ -92,6 +94,44 @@ def test_bad_files_and_arguments_give_one_line_and_no_traceback(run_path, tmp_pa
         else:
             assert "error:" in result.stderr
             assert "--help" in result.stderr
+    assert not Path(pq_out).exists()  # a bad codec is refused before anything is written
+
+
+def test_demo_without_torch_says_what_to_install(tmp_path):
+    code = (
+        "import sys; sys.modules['torch'] = None\n"  # as if torch were not installed
+        "from arrow_outputs.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))"
+    )
+    out = tmp_path / "demo.arrow"
+    result = subprocess.run(
+        [sys.executable, "-c", code, "demo", "--no-progress", "--requests", "2", "-o", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stderr.startswith("arrow-outputs demo: error: torch: expected torch installed")
+    assert "arrow-outputs[torch]" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_convert_and_recover_refuse_to_overwrite_their_input(run_path, capsys):
+    data = run_path.read_bytes()
+    for args in (
+        ["convert", str(run_path), "--to", "ipc", "-o", str(run_path), "--no-progress"],
+        ["convert", str(run_path), "--to", "parquet", "-o", str(run_path), "--no-progress"],
+        ["recover", str(run_path), "-o", str(run_path)],
+    ):
+        assert main(args) == 1, args
+        err = capsys.readouterr().err
+        assert err.startswith(f"arrow-outputs {args[0]}: error: "), err
+        assert "other than" in err, err
+        assert "the same" in err, err
+    assert run_path.read_bytes() == data
 
 
 def test_convert_ipc_is_lossless(run_path, tmp_path, capsys):

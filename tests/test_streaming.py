@@ -558,6 +558,50 @@ def test_recover_bad_arguments(tmp_path):
     assert not os.path.exists(tmp_path / "out.arrows")
 
 
+def test_a_file_without_its_footer_points_to_recover(tmp_path):
+    path = tmp_path / "run.arrow"
+    write_run(path, format="file")
+    cut = tmp_path / "cut.arrow"
+    cut.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(ao.CorruptFileError) as e:
+        ao.open_run(cut)
+    assert e.value.field == str(cut)
+    assert "recover" in e.value.expected
+    assert ao.recover(cut, tmp_path / "saved.arrows").steps > 0
+
+
+def test_follow_refuses_bad_timings(tmp_path):
+    path = tmp_path / "run.arrows"
+    write_run(path)
+    bad = [
+        {"idle_timeout": -1},
+        {"idle_timeout": float("nan")},
+        {"idle_timeout": "5"},
+        {"idle_timeout": True},
+        {"poll_interval": 0},
+        {"poll_interval": "0.1"},
+    ]
+    for kw in bad:
+        with pytest.raises(ao.FieldTypeError) as e:
+            next(ao.follow(path, **kw))
+        assert e.value.field == next(iter(kw)), kw
+    assert len(list(ao.follow(path, idle_timeout=0))) == len(STEPS)  # a closed run ends
+
+
+def test_recover_refuses_to_write_over_its_source(tmp_path):
+    path = tmp_path / "run.arrows"
+    write_run(path)
+    data = path.read_bytes()
+    link = tmp_path / "link.arrows"
+    link.symlink_to(path)
+    for out in (path, str(path), link):
+        with pytest.raises(ao.ConsistencyError) as e:
+            ao.recover(path, out)
+        assert e.value.field == "out"
+    assert path.read_bytes() == data  # the run is untouched
+    assert_steps(ao.open_run(path).outputs())
+
+
 def test_schema_doc_specifies_the_run_keys_the_writer_writes():
     doc = (ROOT / "docs" / "schema.md").read_text()
     section = doc.split("## Runs: running counts and the end marker")[1].split("\n## ")[0]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import multiprocessing
+import pickle
 import sys
 import types
 
@@ -166,6 +168,40 @@ def test_arrow_scheduler_with_arguments(tmp_path):
     assert len(run) == 4
 
 
+def _engine_core(scheduler_cls, outputs) -> None:
+    """A spawned engine core: vLLM pickles ``scheduler_cls`` with its config for it."""
+    scheduler = scheduler_cls(config(), None, None, 16)
+    for out in outputs:
+        scheduler.update_from_output("so", out)
+    scheduler.shutdown()
+
+
+def test_arrow_scheduler_classes_cross_a_spawned_process(tmp_path, fake_vllm, monkeypatch):
+    cls = vllm_hook.arrow_scheduler(
+        StandInAsyncScheduler, str(tmp_path / "{pid}.arrows"), format="file", skip_empty=False
+    )
+    again = pickle.loads(pickle.dumps(cls))
+    assert issubclass(again, StandInAsyncScheduler)
+    assert again._arrow_recipe == (
+        StandInAsyncScheduler,
+        str(tmp_path / "{pid}.arrows"),
+        False,
+        {"format": "file"},
+    )
+    # The named classes pickle by name, as vLLM resolves them.
+    named = resolve("arrow_outputs.vllm_hook.ArrowAsyncScheduler")
+    assert pickle.loads(pickle.dumps(named)) is named
+
+    child = multiprocessing.get_context("spawn").Process(target=_engine_core, args=(cls, steps()))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0
+    run = ao.open_run(tmp_path / f"{child.pid}.arrows")
+    assert run.format == "file"
+    assert run.complete
+    assert [len(o.req_ids) for o in run.outputs()] == [3, 3, 3, 3]
+
+
 def test_environment_errors_are_clear(tmp_path):
     env = {"ARROW_OUTPUTS_VLLM_PATH": str(tmp_path / "x.arrows"), "ARROW_OUTPUTS_VLLM_QUEUE": "x"}
     with pytest.raises(ao.FieldTypeError, match="ARROW_OUTPUTS_VLLM_QUEUE"):
@@ -196,3 +232,11 @@ def test_against_vllm_itself():
     ours = inspect.signature(cls.update_from_output)
     theirs = inspect.signature(vllm_sched.Scheduler.update_from_output)
     assert list(ours.parameters)[:3] == list(theirs.parameters)[:3]
+
+
+def test_without_vllm_the_classes_are_absent_not_an_import_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # an import of vllm now fails
+    monkeypatch.setattr(vllm_hook, "_built", {})
+    assert not hasattr(vllm_hook, "ArrowScheduler")
+    with pytest.raises(AttributeError, match="cannot be imported"):
+        vllm_hook.ArrowAsyncScheduler  # noqa: B018
