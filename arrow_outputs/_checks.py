@@ -50,13 +50,19 @@ _DTYPE_NAMES = {
 
 
 def dtype_name(dtype: np.dtype) -> str:
-    return _DTYPE_NAMES.get(dtype) or dtype.name
+    name = _DTYPE_NAMES.get(dtype)
+    if name is not None:
+        return name
+    # A byte-swapped dtype's name is its native twin's ("int64" for ">i8"), whose bytes Arrow
+    # would read in the wrong order: its code (">i8") is no allowed dtype, so it is refused.
+    return dtype.name if dtype.isnative else dtype.str
 
 
 def host_array(x: Any, field: str) -> tuple[np.ndarray, str]:
-    """numpy view of a numpy array or host tensor, and its dtype name (``bfloat16`` kept)."""
+    """numpy view of a numpy array or host tensor, and its dtype name (``bfloat16`` kept;
+    a byte-swapped dtype named by its code, such as ``">i8"``, so that checks refuse it)."""
     if isinstance(x, np.ndarray):
-        return x, _DTYPE_NAMES.get(x.dtype) or x.dtype.name
+        return x, _DTYPE_NAMES.get(x.dtype) or dtype_name(x.dtype)
     if is_tensor(x):
         return tensor_to_numpy(x, field), tensor_dtype_name(x)
     raise FieldTypeError(field, "a numpy array or a torch tensor", describe(x))

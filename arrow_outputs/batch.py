@@ -875,8 +875,7 @@ def encode_step(
         arrays.append(arr)
     dropped: Dropped = []
     for key in _STEP_CLASSES:
-        value = _get(output, key, ModelRunnerOutput)
-        meta[key] = _step_object(value, key, opaque, dropped)
+        meta[key] = _step_object(_get(output, key, ModelRunnerOutput), key, opaque, dropped)
     meta["dropped"] = dropped
     raw = _JSON.encode(meta).encode()
     _stepmeta.register(identity, raw)
@@ -1209,6 +1208,8 @@ _FAST_COLUMNS = tuple(
 _FAST_KEYS = frozenset(("sampled_token_ids", "logprobs", "sampling_mask"))
 _ITEMSIZE = {"int32": 4, "int64": 8}
 _META_KEYS = tuple(codec.meta_key for codec in _CODECS.values())
+# One C call instead of a generator over the keys: this runs once per decoded step.
+_LAYOUTS_OF = operator.itemgetter(*_META_KEYS)
 # What an absent column decodes to: shared None, or a fresh empty list/dict per output.
 _ABSENT_NONE: dict[str, Any] = {
     c.output_field: None for c in _CODECS.values() if c.absent() is None
@@ -1236,7 +1237,7 @@ _PLANS: dict[tuple[int, ...], tuple[tuple[Any, ...], ColumnTypes, _FastPlan | No
 
 
 def _fast_plan(meta: dict[str, Any], types: ColumnTypes) -> _FastPlan | None:
-    layouts = tuple(meta[k] for k in _META_KEYS)
+    layouts = _LAYOUTS_OF(meta)
     key = (id(types), *map(id, layouts))
     hit = _PLANS.get(key)
     if hit is not None and hit[1] is types and all(map(operator.is_, hit[0], layouts)):

@@ -45,6 +45,8 @@ from .errors import (
 __all__ = ["logprobs_from_arrow", "logprobs_to_arrow", "logprobs_type"]
 
 INT_TYPES = ("int32", "int64")
+_INT_DTYPE_NAMES = {np.dtype(name): name for name in INT_TYPES}
+_FLOAT32 = np.dtype(np.float32)
 ARROW_INT = {"int32": pa.int32(), "int64": pa.int64()}
 INT_NAMES = {t: name for name, t in ARROW_INT.items()}
 
@@ -85,6 +87,24 @@ def _matrices(
 ) -> tuple[str, np.ndarray, np.ndarray, np.ndarray]:
     """Validated numpy views of (ids, logprobs, ranks); returns the kind too."""
     kind, ranks_in = _kind_of(x, field)
+    # getattr: a missing attribute fails here as it did before, in the checks' order.
+    ids, lps = getattr(x, "logprob_token_ids", None), getattr(x, "logprobs", None)
+    # Fast path for vLLM's host lists (numpy arrays that pass every check below): the same
+    # result in a few C-level tests; anything else takes the checks, and their errors.
+    if (
+        type(ids) is np.ndarray
+        and type(lps) is np.ndarray
+        and type(ranks_in) is np.ndarray
+        and ids.ndim == 2
+        and ranks_in.ndim == 1
+        and lps.dtype == _FLOAT32
+        and lps.shape == ids.shape
+        and len(ranks_in) == len(ids)
+        and _INT_DTYPE_NAMES.get(ids.dtype, "") == (id_type or _INT_DTYPE_NAMES.get(ids.dtype))
+        and _INT_DTYPE_NAMES.get(ranks_in.dtype, "")
+        == (rank_type or _INT_DTYPE_NAMES.get(ranks_in.dtype))
+    ):
+        return kind, ids, lps, ranks_in
     ranks_name = "sampled_token_ranks" if kind == "lists" else "selected_token_ranks"
     ids, ids_dt = host_array(x.logprob_token_ids, f"{field}.logprob_token_ids")
     lps, lps_dt = host_array(x.logprobs, f"{field}.logprobs")

@@ -677,3 +677,59 @@ def test_from_record_batch_null_token_start_under_absent_row() -> None:
     start = back.aux_output_connector_output["r0"].token_start
     assert type(start) is int
     assert start == 4
+
+
+# ----------------------------------------------------------------------- byte order
+
+
+def _swapped(a: np.ndarray) -> np.ndarray:
+    """The same values in the other byte order: numpy calls its dtype by the native name."""
+    return a.astype(a.dtype.newbyteorder())
+
+
+@pytest.mark.parametrize("field", ["logprob_token_ids", "logprobs", "sampled_token_ranks"])
+def test_to_record_batch_refuses_byte_swapped_logprobs(field: str) -> None:
+    # Accepted as "int64"/"float32" before, their bytes were read in the wrong order.
+    parts = {
+        "logprob_token_ids": np.array([[5, 6], [7, 8], [9, 1]], dtype=np.int64),
+        "logprobs": np.full((3, 2), -0.5, np.float32),
+        "sampled_token_ranks": np.array([1, 1, 2], dtype=np.int64),
+    }
+    good = ao.LogprobsLists(**parts, cu_num_generated_tokens=None)
+    assert ao.from_record_batch(ao.to_record_batch(_out(logprobs=good), step=1)).logprobs[
+        0
+    ].tolist() == [[5, 6], [7, 8], [9, 1]]
+    parts[field] = _swapped(parts[field])
+    lp = ao.LogprobsLists(**parts, cu_num_generated_tokens=None)
+    with pytest.raises(ao.DTypeError, match=rf"^logprobs\.{field}: expected .*, got >[if]"):
+        ao.to_record_batch(_out(logprobs=lp), step=1)
+
+
+def test_to_record_batch_refuses_byte_swapped_rows_and_masks() -> None:
+    with pytest.raises(ao.DTypeError, match=r"^pooler_output\[0\]: expected .*, got >f4$"):
+        ao.to_record_batch(_out(1, pooler_output=[_swapped(np.ones(3, np.float32))]), step=1)
+    masks = ao.SamplingMaskLists(
+        _swapped(np.array([1, 2], np.int32)), np.array([0, 2], np.int64), None
+    )
+    with pytest.raises(ao.DTypeError, match=r"^sampling_masks\.token_ids: expected int32, got >i4"):
+        ao.to_record_batch(_out(1, sampling_masks=masks), step=1)
+
+
+@pytest.mark.parametrize("field", ["logprob_token_ids", "sampled_token_ranks"])
+def test_to_record_batch_refuses_logprob_dtype_other_than_the_runs(field: str) -> None:
+    # Plain numpy matrices take the checks' fast path: it must still hold the run's types.
+    def lp(**dtypes: Any) -> Any:
+        return ao.LogprobsLists(
+            np.array([[5, 6], [7, 8], [9, 1]], dtype=dtypes.get("logprob_token_ids", np.int64)),
+            np.full((3, 2), -0.5, np.float32),
+            np.array([1, 1, 2], dtype=dtypes.get("sampled_token_ranks", np.int64)),
+            None,
+        )
+
+    run = ao.run_schema(ao.to_record_batch(_out(logprobs=lp()), step=0))
+    assert ao.to_record_batch(_out(logprobs=lp()), step=1, schema=run).num_rows == 3
+    with pytest.raises(
+        SchemaMismatchError,
+        match=rf"^logprobs\.{field}: expected int64 \(the run's schema, .*\), got int32$",
+    ):
+        ao.to_record_batch(_out(logprobs=lp(**{field: np.int32})), step=1, schema=run)
