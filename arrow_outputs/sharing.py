@@ -861,6 +861,7 @@ class StepSubscriber:
         self._closed = True
         ctl_path = self.path / CONTROL_NAME
         deadline = time.monotonic() + attach_timeout_s
+        not_ready: CorruptSegmentError | None = None
         while True:
             try:
                 self._ctl_map, size = _map_file(ctl_path, write=True)
@@ -869,7 +870,12 @@ class StepSubscriber:
                     break
             except FileNotFoundError:
                 pass
+            except CorruptSegmentError as e:
+                # The publisher creates the file, then sizes it: empty for a moment.
+                not_ready = e
             if time.monotonic() > deadline:
+                if not_ready is not None:
+                    raise not_ready
                 raise StepTimeoutError(
                     str(ctl_path), f"a run's control file within {attach_timeout_s} s", "none"
                 )

@@ -748,3 +748,14 @@ def test_consumer_notices_a_dead_producer(run_dir: Path) -> None:
     finally:
         if child.is_alive():
             child.kill()
+
+
+def test_subscriber_waits_while_the_control_file_is_still_empty(run_dir: Path) -> None:
+    # A publisher creates its control file, then sizes it: a subscriber attaching in between
+    # sees 0 bytes and must wait, not call the run corrupt.
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "control").touch()
+    start = time.monotonic()
+    with pytest.raises(CorruptSegmentError, match="0 bytes"):
+        StepSubscriber(run_dir, attach_timeout_s=0.3)  # still empty at the deadline
+    assert time.monotonic() - start >= 0.3  # it waited for the publisher to size the file
