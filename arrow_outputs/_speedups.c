@@ -518,6 +518,21 @@ done:
 }
 
 /* split_int_lists(values, offsets, itemsize, n) -> list[list[int]] | None */
+
+/* Element j of an int32 (itemsize 4) or int64 buffer as a Python int (unaligned-safe). */
+static PyObject *
+int_at(const char *vals, Py_ssize_t itemsize, Py_ssize_t j)
+{
+    if (itemsize == 4) {
+        int32_t x;
+        memcpy(&x, vals + j * 4, 4);
+        return PyLong_FromLong((long)x);
+    }
+    int64_t x;
+    memcpy(&x, vals + j * 8, 8);
+    return PyLong_FromLongLong((long long)x);
+}
+
 static PyObject *
 split_int_lists(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
@@ -566,17 +581,7 @@ split_int_lists(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t n
             }
             PyList_SET_ITEM(outer, i, inner); /* the outer list owns it from here */
             for (Py_ssize_t j = a; j < b; j++) {
-                PyObject *v;
-                if (itemsize == 4) {
-                    int32_t x;
-                    memcpy(&x, vals + j * 4, 4);
-                    v = PyLong_FromLong((long)x);
-                }
-                else {
-                    int64_t x;
-                    memcpy(&x, vals + j * 8, 8);
-                    v = PyLong_FromLongLong((long long)x);
-                }
+                PyObject *v = int_at(vals, itemsize, j);
                 if (v == NULL) {
                     goto done;
                 }
@@ -1794,17 +1799,7 @@ dec_sampled(const struct ArrowArray *col, int64_t n, Py_ssize_t itemsize, PyObje
         }
         PyList_SET_ITEM(outer, (Py_ssize_t)i, inner);
         for (Py_ssize_t j = a; j < b; j++) {
-            PyObject *v;
-            if (itemsize == 4) {
-                int32_t x;
-                memcpy(&x, vals + j * 4, 4);
-                v = PyLong_FromLong((long)x);
-            }
-            else {
-                int64_t x;
-                memcpy(&x, vals + j * 8, 8);
-                v = PyLong_FromLongLong((long long)x);
-            }
+            PyObject *v = int_at(vals, itemsize, j);
             if (v == NULL) {
                 Py_DECREF(outer);
                 return -1;
