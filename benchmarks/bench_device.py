@@ -69,7 +69,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
@@ -77,6 +77,7 @@ import torch
 import arrow_outputs as ao
 from arrow_outputs import LogprobsLists
 from arrow_outputs.async_output import AsyncArrowOutput
+from arrow_outputs.demo.sampler import SamplerOutput  # MRv2's SamplerOutput, by its names
 from arrow_outputs.device import StagingPool
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -106,17 +107,6 @@ KINDS = {"decode lp20": (128_256, 64, 0), "wide 1/16": (32_768, 1024, 16)}
 
 FULL = Settings(sample_ns=2_000_000, min_rounds=30, budget_s=1.0)
 QUICK = Settings(sample_ns=500_000, min_rounds=6, budget_s=0.05, check_every=3)
-
-
-class SamplerOutput(NamedTuple):
-    """MRv2's SamplerOutput (vllm/v1/worker/gpu/sample/output.py), its attribute names."""
-
-    sampled_token_ids: torch.Tensor
-    logprobs_tensors: Any
-    num_nans: torch.Tensor | None
-    num_sampled: torch.Tensor
-    num_rejected: torch.Tensor
-    sampling_mask_tensors: Any = None
 
 
 # ----------------------------------------------------------------------------- baseline

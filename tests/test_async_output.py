@@ -4,8 +4,9 @@ straight from the staged buffers that equals the output's record batch."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
-from typing import Any, NamedTuple
+from typing import Any
 
 import pyarrow as pa
 import pytest
@@ -13,22 +14,12 @@ import torch
 
 import arrow_outputs as ao
 from arrow_outputs.async_output import AsyncArrowOutput
+from arrow_outputs.demo.sampler import SamplerOutput  # MRv2's SamplerOutput, by its names
 from arrow_outputs.device import StagingPool
 
 # Every test here runs on the C accelerator (prebuilt columns as nodes for the C assembly)
 # and on the pure-Python path (prebuilt columns as arrays).
 pytestmark = pytest.mark.usefixtures("codec_path")
-
-
-class SamplerOutput(NamedTuple):
-    """MRv2's SamplerOutput (vllm/v1/worker/gpu/sample/output.py), its attribute names."""
-
-    sampled_token_ids: torch.Tensor
-    logprobs_tensors: Any
-    num_nans: torch.Tensor | None
-    num_sampled: torch.Tensor
-    num_rejected: torch.Tensor
-    sampling_mask_tensors: Any = None
 
 
 def vllm_get_output(mro: Any, sampler: SamplerOutput, num_sampled: torch.Tensor) -> Any:
@@ -245,7 +236,7 @@ def _masked_step(n: int, k: int, *, seed: int = 0, width: int = 8, vocab: int = 
     keep = torch.rand(logits.shape, generator=g) < torch.rand(len(logits), 1, generator=g) * 0.3
     logits[~keep] = float("-inf")
     masks = ao.SamplingMaskTensors.from_logits(logits, cu, counts, width, rows_per_request=k)
-    return mro, sampler._replace(sampling_mask_tensors=masks), counts
+    return mro, dataclasses.replace(sampler, sampling_mask_tensors=masks), counts
 
 
 @pytest.mark.parametrize(("n", "k"), [(6, 1), (5, 3)], ids=["decode", "spec"])
@@ -265,7 +256,7 @@ def test_async_arrow_output_sampling_masks(n: int, k: int) -> None:
 def test_async_arrow_output_chunked_prefill_requests_sample_nothing() -> None:
     mro, sampler, counts = _step(5, 1, nans=5)
     counts = torch.tensor([1, 0, 1, 0, 1], dtype=torch.int32)  # 1 and 3 are mid-prefill
-    sampler = sampler._replace(logprobs_tensors=None, num_sampled=counts)
+    sampler = dataclasses.replace(sampler, logprobs_tensors=None, num_sampled=counts)
     expected = vllm_get_output(copy.copy(mro), sampler, counts)
     assert expected.sampled_token_ids[1] == []
     ao.assert_outputs_equal(
@@ -285,7 +276,7 @@ def test_async_arrow_output_sampled_ids_trimmed_as_vllm_trims(counts: list[int])
     # keeps the whole row, as del row[k:] does.
     mro, sampler, _ = _step(4, 3, seed=3)
     counts_t = torch.tensor(counts, dtype=torch.int32)
-    sampler = sampler._replace(logprobs_tensors=None, num_sampled=counts_t)
+    sampler = dataclasses.replace(sampler, logprobs_tensors=None, num_sampled=counts_t)
     expected = vllm_get_output(copy.copy(mro), sampler, counts_t)
     assert expected.sampled_token_ids == [
         ids[:k] for ids, k in zip(sampler.sampled_token_ids.tolist(), counts)
@@ -297,7 +288,7 @@ def test_async_arrow_output_sampled_ids_trimmed_as_vllm_trims(counts: list[int])
 def test_async_arrow_output_negative_count_is_refused() -> None:
     mro, sampler, _ = _step(3, 2)
     counts = torch.tensor([1, -1, 2], dtype=torch.int32)
-    out = AsyncArrowOutput(mro, sampler._replace(logprobs_tensors=None), counts)
+    out = AsyncArrowOutput(mro, dataclasses.replace(sampler, logprobs_tensors=None), counts)
     with pytest.raises(
         ao.ConsistencyError, match=r"^num_sampled_tokens\[1\]: expected a count >= 0"
     ):
@@ -306,7 +297,7 @@ def test_async_arrow_output_negative_count_is_refused() -> None:
 
 def test_async_arrow_output_nans_out_of_int32_are_refused() -> None:
     mro, sampler, counts = _step(2, 1)
-    sampler = sampler._replace(num_nans=torch.tensor([1, 2**40]))
+    sampler = dataclasses.replace(sampler, num_nans=torch.tensor([1, 2**40]))
     with pytest.raises(ao.UnsupportedValueError, match=r"^sampler_output\.num_nans: "):
         AsyncArrowOutput(mro, sampler, counts).get_record_batch()
 
@@ -329,8 +320,9 @@ def test_async_arrow_output_schema_inference_follows_each_step() -> None:
     for ids_dtype in (torch.int64, torch.int32, torch.int64):
         mro, sampler, counts = _step(3, 1, seed=5)
         lp = sampler.logprobs_tensors
-        sampler = sampler._replace(
-            logprobs_tensors=lp._replace(logprob_token_ids=lp.logprob_token_ids.to(ids_dtype))
+        sampler = dataclasses.replace(
+            sampler,
+            logprobs_tensors=lp._replace(logprob_token_ids=lp.logprob_token_ids.to(ids_dtype)),
         )
         for prompt in ({}, mro.prompt_logprobs_dict):
             mro.prompt_logprobs_dict = prompt

@@ -8,8 +8,9 @@ must equal ``sampling_masks_to_arrow`` of its result.
 
 from __future__ import annotations
 
+import sys
 import types
-from typing import Any
+from pathlib import Path
 from unittest import mock
 
 import numpy as np
@@ -29,6 +30,10 @@ from arrow_outputs.mask_tensors import (
 from arrow_outputs.masks import SAMPLING_MASK_TYPE, sampling_masks_from_arrow
 from arrow_outputs.outputs import SamplingMaskLists
 
+# vLLM 0.33's per-row SamplingMaskTensors.tolists, as the benchmark copies it (one copy).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from bench_masks import vllm_tolists as vllm_tolists_reference
+
 # Every test here runs on the C accelerator and on the pure-Python path.
 pytestmark = pytest.mark.usefixtures("codec_path")
 
@@ -40,38 +45,6 @@ GATHER_RATIOS = (10**9, 0)
 
 
 # ----------------------------------------------------------------------------- reference
-
-
-def vllm_tolists_reference(
-    masks: Any, num_sampled_tokens: np.ndarray | None = None
-) -> SamplingMaskLists:
-    """vLLM 0.33's ``SamplingMaskTensors.tolists``, its per-row loop kept as it is there
-    (``vllm/v1/worker/gpu/sample/output.py``), returning our ``SamplingMaskLists``."""
-    counts = masks.counts.cpu().numpy()
-    token_ids = masks.token_ids.cpu().numpy()
-    packed_mask = masks.packed_mask.cpu().numpy()
-    width = token_ids.shape[1]
-
-    cu_num_generated_tokens = None
-    if masks.rows_per_request == 1:
-        sampled_rows = np.arange(len(counts))
-    else:
-        assert num_sampled_tokens is not None
-        active_slots = np.arange(masks.rows_per_request)[None, :] < num_sampled_tokens[:, None]
-        sampled_rows = np.flatnonzero(active_slots)
-        cu_num_generated_tokens = np.cumsum(np.concatenate(([0], num_sampled_tokens))).tolist()
-
-    def support(row: int) -> np.ndarray:
-        if counts[row] <= width:
-            return token_ids[row, : counts[row]]
-        bits = np.unpackbits(packed_mask[row], count=masks.vocab_size, bitorder="little")
-        return np.flatnonzero(bits).astype(np.int32, copy=False)
-
-    supports = [support(row) for row in sampled_rows]
-    offsets = np.zeros(len(supports) + 1, dtype=np.int64)
-    np.cumsum([len(s) for s in supports], out=offsets[1:])
-    flat = np.concatenate([np.empty(0, dtype=np.int32), *supports])
-    return SamplingMaskLists(flat, offsets, cu_num_generated_tokens)
 
 
 def brute_force_supports(logits, cu_num_logits, num_sampled, rows_per_request):
