@@ -209,7 +209,6 @@ def test_help_for_every_command():
         result = cli(command, "--help")
         assert result.returncode == 0, command
         assert f"arrow-outputs {command}" in result.stdout
-    assert os.path.basename(sys.executable)  # the same interpreter ran them
 
 
 def test_cli_doc_lists_every_command_and_option():
