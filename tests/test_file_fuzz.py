@@ -15,6 +15,7 @@ import tempfile
 import time
 
 import numpy as np
+import pyarrow as pa
 import pytest
 
 import arrow_outputs as ao
@@ -90,13 +91,28 @@ def mutate(data: bytes, rng: np.random.Generator) -> bytes:
     return bytes(buf)
 
 
+def agrees_with_pyarrow(out: ao.ModelRunnerOutput, batch: pa.RecordBatch) -> None:
+    """What decoded must be what pyarrow reads in the same columns."""
+    ids = batch.column("req_id").to_pylist()
+    assert out.req_ids == ids, (out.req_ids, ids)
+    assert out.req_id_to_index == {r: i for i, r in enumerate(ids)}
+    if len(out.sampled_token_ids) == batch.num_rows:
+        assert out.sampled_token_ids == batch.column("sampled_token_ids").to_pylist()
+    lp = out.logprobs
+    if lp is not None:
+        rows = batch.column("logprobs").to_pylist()
+        flat = [p for row in rows if row is not None for p in row]
+        assert [p["token_ids"] for p in flat] == np.asarray(lp.logprob_token_ids).tolist()
+        assert [p["rank"] for p in flat] == np.asarray(lp.sampled_token_ranks).tolist()
+
+
 def exercise(data: bytes, tmpdir: str, with_recover: bool) -> str:
     """Read a (mutated) run every way a user would; returns what happened."""
     outcome = "ok"
     try:
         run = ao.open_run(data)
         for step in run:
-            step.output()
+            agrees_with_pyarrow(step.output(), step.batch)
         run.read_all()
     except ao.ArrowOutputsError as e:
         outcome = type(e).__name__
