@@ -82,14 +82,24 @@ record_batch = _pyspeedups.record_batch
 _using_c = False
 
 
+# The request ids of the last step decoded in C, for the next one (_speedups.known_matches):
+# one immutable entry, replaced whole, so threads at worst miss it.
+_known_req_ids: Any = None
+
+
 def _c_decode_batch(batch: pa.RecordBatch, *plan: Any) -> tuple[Any, ...] | None:
     """The decoded objects of ``batch`` from one walk in C, or None (see
     ``_speedups.decode_batch``): the batch is exported once through the C Data Interface
     (its array only; the schema was checked in Python) and read there."""
+    global _known_req_ids
     assert _compiled is not None  # only bound when it was built
     capsule, address = _compiled.array_slot()
     batch._export_to_c(address)
-    return _compiled.decode_batch(capsule, batch.num_rows, *plan)
+    got = _compiled.decode_batch(capsule, batch.num_rows, *plan, _known_req_ids)
+    if got is None:
+        return None
+    _known_req_ids = got[5]
+    return got[:5]
 
 
 #: The decode side's walk over a whole batch (C only); None on the pure-Python path, whose

@@ -1449,7 +1449,8 @@ build_array(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs
 /* ------------------------------------------------------------------ decode: one export
  *
  * array_slot() -> (capsule, address)
- * decode_batch(capsule, n, columns, step, absent, sampled, logprobs, mask) -> tuple | None
+ * decode_batch(capsule, n, columns, step, absent, sampled, logprobs, mask, known)
+ *     -> tuple | None
  *
  * The decode side's walk over a whole record batch. The caller exports the batch once
  * (RecordBatch._export_to_c(address): no schema) into the ArrowArray that array_slot
@@ -1475,7 +1476,8 @@ build_array(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs
  * sampled = 0 (a pooling step: all null) or the id itemsize 4/8; logprobs = None (absent)
  * or (id itemsize, rank itemsize, cu as list: bool, width or -1); mask = None (absent) or
  * (cu as list: bool).
- * Result: (req_ids, req_id_to_index, sampled, lp, mask) with lp = None or
+ * known = the last result's entry of request ids, or None (see known_matches).
+ * Result: (req_ids, req_id_to_index, sampled, lp, mask, known) with lp = None or
  * (ids region, logprobs region, ranks region, positions, width, cu list or None) and
  * mask = None or (token_ids region, offsets region, cu list or None). */
 
@@ -1701,12 +1703,88 @@ dec_flag(PyObject *obj)
     return obj == Py_True ? 1 : obj == Py_False ? 0 : -1;
 }
 
-/* Returns 1 with *out set, 0 for "not this path" (no exception), -1 on error. */
+/* Request ids seen in the last step decoded, kept for the next one: vLLM's decode steps keep
+ * their requests, so most steps carry the very same req_id column. The entry is
+ * (offsets bytes, data bytes, ids tuple, index dict), made here and never handed out: a step
+ * whose offsets and UTF-8 bytes are equal byte for byte gets a new list of the same str
+ * objects (immutable) and a copy of the dict, instead of decoding n strings and hashing
+ * them again. Small steps gain nothing and keep no entry. */
+#define KNOWN_MIN_ROWS 32
+#define KNOWN_MAX_BYTES (1 << 20)
+
 static int
-dec_strs(const struct ArrowArray *col, int64_t n, PyObject **ids_out, PyObject **index_out)
+known_matches(PyObject *known, const char *offs, const char *data, int64_t n, int32_t last)
+{
+    PyObject *ko, *kd, *kids, *kindex;
+    if (!PyTuple_CheckExact(known) || PyTuple_GET_SIZE(known) != 4) {
+        return 0;
+    }
+    ko = PyTuple_GET_ITEM(known, 0);
+    kd = PyTuple_GET_ITEM(known, 1);
+    kids = PyTuple_GET_ITEM(known, 2);
+    kindex = PyTuple_GET_ITEM(known, 3);
+    if (!PyBytes_CheckExact(ko) || !PyBytes_CheckExact(kd) || !PyTuple_CheckExact(kids) ||
+        !PyDict_CheckExact(kindex) || PyBytes_GET_SIZE(ko) != (Py_ssize_t)((n + 1) * 4) ||
+        PyBytes_GET_SIZE(kd) != (Py_ssize_t)last || PyTuple_GET_SIZE(kids) != (Py_ssize_t)n ||
+        PyDict_GET_SIZE(kindex) != (Py_ssize_t)n) {
+        return 0;
+    }
+    return memcmp(PyBytes_AS_STRING(ko), offs, (size_t)((n + 1) * 4)) == 0 &&
+           (last == 0 || memcmp(PyBytes_AS_STRING(kd), data, (size_t)last) == 0);
+}
+
+/* The entry for the next step (see known_matches); NULL with an exception on error. */
+static PyObject *
+known_entry(const char *offs, const char *data, int64_t n, int32_t last, PyObject *ids,
+            PyObject *index)
+{
+    PyObject *ko, *kd, *kids, *kindex;
+    if (n < KNOWN_MIN_ROWS || last > KNOWN_MAX_BYTES) {
+        return Py_NewRef(Py_None);
+    }
+    ko = PyBytes_FromStringAndSize(offs, (Py_ssize_t)((n + 1) * 4));
+    kd = PyBytes_FromStringAndSize(last ? data : "", (Py_ssize_t)last);
+    kids = PyList_AsTuple(ids);
+    kindex = PyDict_Copy(index);
+    if (ko == NULL || kd == NULL || kids == NULL || kindex == NULL) {
+        Py_XDECREF(ko);
+        Py_XDECREF(kd);
+        Py_XDECREF(kids);
+        Py_XDECREF(kindex);
+        return NULL;
+    }
+    return Py_BuildValue("(NNNN)", ko, kd, kids, kindex);
+}
+
+/* The known entry's ids as a new list, or NULL with no exception when an item is not an exact
+ * str (an entry not made by known_entry: decoded afresh instead). */
+static PyObject *
+known_ids(PyObject *known, int64_t n)
+{
+    PyObject *kids = PyTuple_GET_ITEM(known, 2), *ids = PyList_New((Py_ssize_t)n);
+    if (ids == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < (Py_ssize_t)n; i++) {
+        PyObject *s = PyTuple_GET_ITEM(kids, i);
+        if (!PyUnicode_CheckExact(s)) {
+            Py_DECREF(ids);
+            return NULL;
+        }
+        PyList_SET_ITEM(ids, i, Py_NewRef(s));
+    }
+    return ids;
+}
+
+/* Returns 1 with *out set, 0 for "not this path" (no exception), -1 on error. *known_out is
+ * the entry to pass with the next step (see known_matches). */
+static int
+dec_strs(const struct ArrowArray *col, int64_t n, PyObject *known, PyObject **ids_out,
+         PyObject **index_out, PyObject **known_out)
 {
     const char *offs, *data;
     PyObject *ids = NULL, *index = NULL;
+    int32_t last;
 
     if (!dec_dense(col, 3, 0) || col->length != n) {
         return 0;
@@ -1717,8 +1795,26 @@ dec_strs(const struct ArrowArray *col, int64_t n, PyObject **ids_out, PyObject *
     if (!dec_offsets32(offs, 0, n, INT32_MAX)) {
         return 0;
     }
-    if (load_i32(offs, n) > 0 && data == NULL) {
+    last = load_i32(offs, n);
+    if (last > 0 && data == NULL) {
         return 0;
+    }
+    if (load_i32(offs, 0) == 0 && known_matches(known, offs, data, n, last)) {
+        ids = known_ids(known, n);
+        if (ids != NULL) {
+            index = PyDict_Copy(PyTuple_GET_ITEM(known, 3));
+            if (index == NULL) {
+                Py_DECREF(ids);
+                return -1;
+            }
+            *ids_out = ids;
+            *index_out = index;
+            *known_out = Py_NewRef(known);
+            return 1;
+        }
+        if (PyErr_Occurred()) {
+            return -1;
+        }
     }
     ids = PyList_New((Py_ssize_t)n);
     index = PyDict_New();
@@ -1755,6 +1851,11 @@ dec_strs(const struct ArrowArray *col, int64_t n, PyObject **ids_out, PyObject *
         Py_DECREF(ids);
         Py_DECREF(index);
         return 0;
+    }
+    *known_out = load_i32(offs, 0) == 0 ? known_entry(offs, data, n, last, ids, index)
+                                         : Py_NewRef(Py_None);
+    if (*known_out == NULL) {
+        goto error;
     }
     *ids_out = ids;
     *index_out = index;
@@ -1996,8 +2097,9 @@ dec_mask(PyObject *owner, const struct ArrowArray *col, int64_t n, PyObject *spe
 static PyObject *
 decode_batch(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
-    PyObject *capsule, *columns, *step_obj, *absent, *lp_spec, *mask_spec;
+    PyObject *capsule, *columns, *step_obj, *absent, *lp_spec, *mask_spec, *known;
     PyObject *ids = NULL, *index = NULL, *sampled = NULL, *lp = NULL, *mask = NULL;
+    PyObject *known_out = NULL;
     PyObject *result = NULL;
     Py_ssize_t n_arg, sampled_size, at[6];
     const struct ArrowArray *top, *col;
@@ -2005,7 +2107,7 @@ decode_batch(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t narg
     int64_t n;
     int rc;
 
-    if (!check_nargs("decode_batch", nargs, 8) || !ssize_arg(args[1], &n_arg) ||
+    if (!check_nargs("decode_batch", nargs, 9) || !ssize_arg(args[1], &n_arg) ||
         !ssize_arg(args[5], &sampled_size)) {
         return NULL;
     }
@@ -2015,6 +2117,7 @@ decode_batch(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t narg
     absent = args[4];
     lp_spec = args[6];
     mask_spec = args[7];
+    known = args[8];
     if (!PyType_HasFeature(&RegionType, Py_TPFLAGS_READY) && PyType_Ready(&RegionType) < 0) {
         return NULL;
     }
@@ -2112,7 +2215,7 @@ decode_batch(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t narg
             }
         }
     }
-    rc = dec_strs(top->children[at[1]], n, &ids, &index);
+    rc = dec_strs(top->children[at[1]], n, known, &ids, &index, &known_out);
     if (rc <= 0) {
         goto out;
     }
@@ -2143,8 +2246,9 @@ decode_batch(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t narg
     else if ((rc = dec_mask(capsule, top->children[at[5]], n, mask_spec, &mask)) <= 0) {
         goto out;
     }
-    result = PyTuple_Pack(5, ids, index, sampled, lp, mask);
+    result = PyTuple_Pack(6, ids, index, sampled, lp, mask, known_out);
 out:
+    Py_XDECREF(known_out);
     Py_XDECREF(ids);
     Py_XDECREF(index);
     Py_XDECREF(sampled);
@@ -2191,7 +2295,7 @@ static PyMethodDef speedups_methods[] = {
      "array_slot(/)\n--\n\n"
      "(capsule, address) of an empty ArrowArray to export a record batch into."},
     {"decode_batch", (PyCFunction)(void (*)(void))decode_batch, METH_FASTCALL,
-     "decode_batch(capsule, n, columns, step, absent, sampled, logprobs, mask, /)\n--\n\n"
+     "decode_batch(capsule, n, columns, step, absent, sampled, logprobs, mask, known, /)\n--\n\n"
      "The decoded objects of an exported record batch, or None (see batch.py)."},
     {NULL, NULL, 0, NULL},
 };

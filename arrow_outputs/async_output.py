@@ -14,6 +14,7 @@ tensors into one slab of a :class:`~arrow_outputs.device.StagingPool`, and offer
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from functools import lru_cache
 from typing import Any
@@ -33,7 +34,12 @@ from .errors import (
     UnsupportedValueError,
 )
 from .masks import SAMPLING_MASK_TYPE
-from .outputs import AsyncModelRunnerOutput, KVConnectorOutput, LogprobsLists
+from .outputs import (
+    AsyncModelRunnerOutput,
+    KVConnectorOutput,
+    LogprobsLists,
+    ModelRunnerOutput,
+)
 
 __all__ = ["AsyncArrowOutput"]
 
@@ -228,7 +234,7 @@ class AsyncArrowOutput(AsyncModelRunnerOutput):
         Python lists; the logprob columns' values are the staged slab's memory (zero-copy),
         which stays leased while the batch (or anything made from it) lives.
         """
-        from .batch import encode_step
+        from .batch import _refuse_unknown_fields, encode_step
 
         self._finish_common()
         out = self.model_runner_output
@@ -272,7 +278,9 @@ class AsyncArrowOutput(AsyncModelRunnerOutput):
             prebuilt["num_nans_in_logits"] = (_nans_column(self._numpy("num_nans"), n), "dict")
         # The logprobs column's encoder is already zero-copy over these staged arrays.
         lp = self._host_logprobs()
-        view = _OutputView(out, lp, prebuilt)
+        # Fields the format has no place for are refused by name, as the encoder would.
+        _refuse_unknown_fields(out, ModelRunnerOutput, "output")
+        view = _output_view(out, lp, prebuilt)
         if schema is None:
             schema = _inferred_schema(view, lp)
         return encode_step(view, step=step, schema=schema, prebuilt=prebuilt)
@@ -282,22 +290,39 @@ class AsyncArrowOutput(AsyncModelRunnerOutput):
         return self.model_runner_output.kv_connector_output
 
 
-class _OutputView:
-    """The model-runner output as the encoder reads it: the step's own fields, the staged
-    logprobs, and placeholders where a column was prebuilt (the encoder skips those)."""
+# The fields the encoder reads from the model-runner output itself; every other one is
+# prebuilt or staged.
+_OWN_FIELDS = tuple(
+    f.name
+    for f in dataclasses.fields(ModelRunnerOutput)
+    if f.name not in ("sampled_token_ids", "logprobs", "sampling_masks", "num_nans_in_logits")
+)
 
-    def __init__(self, out: Any, logprobs: Any, prebuilt: dict[str, Any]) -> None:
-        self._out = out
-        if logprobs is not None:
-            self.logprobs = logprobs
-        self.sampled_token_ids: list[Any] = []
-        if "sampling_mask" in prebuilt:
-            self.sampling_masks = None
-        if "num_nans_in_logits" in prebuilt:
-            self.num_nans_in_logits = None
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._out, name)
+def _output_view(out: Any, logprobs: Any, prebuilt: dict[str, Any]) -> ModelRunnerOutput:
+    """The model-runner output as the encoder reads it: a shallow ``ModelRunnerOutput`` with
+    the step's own fields, the staged logprobs, and empty placeholders where a column was
+    prebuilt (the encoder skips those). A field ``out`` lacks (an older vLLM's object) stays
+    unset, and the encoder takes its default as it would from ``out``. Plain attributes: a
+    delegating ``__getattr__`` costs a failed lookup per field read."""
+    view = ModelRunnerOutput.__new__(ModelRunnerOutput)
+    d = view.__dict__
+    for name in _OWN_FIELDS:
+        try:
+            d[name] = getattr(out, name)
+        except AttributeError:
+            pass
+    d["sampled_token_ids"] = []
+    if logprobs is not None:
+        d["logprobs"] = logprobs
+    elif hasattr(out, "logprobs"):
+        d["logprobs"] = out.logprobs
+    for column, name in (("sampling_mask", "sampling_masks"), ("num_nans_in_logits",) * 2):
+        if column in prebuilt:
+            d[name] = None
+        elif hasattr(out, name):
+            d[name] = getattr(out, name)
+    return view
 
 
 _INFERRED: dict[tuple[str, str] | None, pa.Schema] = {}

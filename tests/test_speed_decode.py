@@ -391,7 +391,7 @@ def test_decode_batch_low_level_declines_and_checks_its_plan() -> None:
     def walk(step: Any = 4, n: int = 3, sampled: int = 8, lp: Any = (8, 8, False, 5)) -> Any:
         capsule, address = _speedups.array_slot()
         batch._export_to_c(address)
-        return _speedups.decode_batch(capsule, n, plan, step, absent, sampled, lp, None)
+        return _speedups.decode_batch(capsule, n, plan, step, absent, sampled, lp, None, None)
 
     got = walk()
     assert got is not None
@@ -407,8 +407,56 @@ def test_decode_batch_low_level_declines_and_checks_its_plan() -> None:
     with pytest.raises(TypeError):
         walk(sampled=5)
     capsule, _ = _speedups.array_slot()  # never exported into: released, so declined
-    assert _speedups.decode_batch(capsule, 3, plan, 4, absent, 8, None, None) is None
+    assert _speedups.decode_batch(capsule, 3, plan, 4, absent, 8, None, None, None) is None
     capsule, address = _speedups.array_slot()
     batch._export_to_c(address)
     with pytest.raises(ValueError, match="column position out of range"):
-        _speedups.decode_batch(capsule, 3, (0, 1, 2, 3, 4, 99), 4, absent, 8, None, None)
+        _speedups.decode_batch(capsule, 3, (0, 1, 2, 3, 4, 99), 4, absent, 8, None, None, None)
+
+
+def _same_requests(out: Any, like: Any) -> Any:
+    """``out`` with ``like``'s requests (a decode step after ``like``: new tokens, same ids)."""
+    out.req_ids = list(like.req_ids)
+    out.req_id_to_index = dict(like.req_id_to_index)
+    return out
+
+
+def test_decode_batch_reuses_the_last_steps_request_ids_as_fresh_containers() -> None:
+    first, second = decode_lp(64, seed=1), _same_requests(decode_lp(64, seed=2), decode_lp(64, 1))
+    a = ao.from_record_batch(ao.to_record_batch(first, step=1))
+    b = ao.from_record_batch(ao.to_record_batch(second, step=2))
+    assert ao.first_difference(b, second) is None
+    # The same str objects (not decoded again), in a new list and a new dict.
+    assert all(x is y for x, y in zip(a.req_ids, b.req_ids, strict=True))
+    assert b.req_ids is not a.req_ids and b.req_id_to_index is not a.req_id_to_index
+    # What a caller does to its containers never reaches the next step's.
+    a.req_ids.reverse()
+    a.req_id_to_index.clear()
+    b.req_ids[0] = "changed"
+    c = ao.from_record_batch(ao.to_record_batch(second, step=3))
+    assert c.req_ids == second.req_ids and c.req_id_to_index == second.req_id_to_index
+
+
+def test_decode_batch_never_reuses_request_ids_that_differ_in_one_byte() -> None:
+    first = decode_lp(64, seed=1)
+    other = decode_lp(64, seed=2)
+    ids = list(first.req_ids)
+    ids[40] = ids[40][:-1] + ("x" if ids[40][-1] != "x" else "y")  # same length, one byte
+    other.req_ids, other.req_id_to_index = ids, {r: i for i, r in enumerate(ids)}
+    ao.from_record_batch(ao.to_record_batch(first, step=1))
+    got = ao.from_record_batch(ao.to_record_batch(other, step=2))
+    assert got.req_ids == ids and got.req_id_to_index == other.req_id_to_index
+
+
+def test_decode_batch_decodes_afresh_past_a_bad_entry(monkeypatch: pytest.MonkeyPatch) -> None:
+    out = decode_lp(64, seed=1)
+    batch = ao.to_record_batch(out, step=1)
+    ao.from_record_batch(batch)
+    known = _accel._known_req_ids
+    assert type(known) is tuple and known[2] == tuple(out.req_ids)
+    # An entry whose bytes match but whose ids are not strs is not used.
+    monkeypatch.setattr(_accel, "_known_req_ids", (*known[:2], tuple(range(64)), known[3]))
+    assert ao.from_record_batch(batch).req_ids == out.req_ids
+    # Small steps keep no entry.
+    ao.from_record_batch(ao.to_record_batch(decode_lp(3), step=2))
+    assert _accel._known_req_ids is None
