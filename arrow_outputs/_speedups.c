@@ -400,6 +400,24 @@ index_in_order(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t na
     if (PyDict_GET_SIZE(index) != n) {
         Py_RETURN_FALSE; /* list_richcompare's first shortcut: the sizes differ */
     }
+    /* One pass for what vLLM hands over: the dict built from req_ids itself (each key the
+     * list's own object) with small exact ints in order. Nothing here can run user code or
+     * decide anything but "true": any other pair goes to the two passes below. */
+    pos = 0;
+    i = 0;
+    while (i < n && PyDict_Next(index, &pos, &key, &value)) {
+        if (key != PyList_GET_ITEM(req_ids, i) || !PyLong_CheckExact(value) ||
+            PyLong_AsSsize_t(value) != i) {
+            break;
+        }
+        i++;
+    }
+    if (PyErr_Occurred()) { /* an int past Py_ssize_t: not i, so the passes below decide */
+        PyErr_Clear();
+    }
+    else if (i == n) {
+        Py_RETURN_TRUE;
+    }
     pos = 0;
     i = 0;
     while (PyDict_Next(index, &pos, &key, NULL)) {

@@ -299,6 +299,9 @@ _OWN_FIELDS = tuple(
 )
 
 
+_UNSET = object()
+
+
 def _output_view(out: Any, logprobs: Any, prebuilt: dict[str, Any]) -> ModelRunnerOutput:
     """The model-runner output as the encoder reads it: a shallow ``ModelRunnerOutput`` with
     the step's own fields, the staged logprobs, and empty placeholders where a column was
@@ -308,10 +311,9 @@ def _output_view(out: Any, logprobs: Any, prebuilt: dict[str, Any]) -> ModelRunn
     view = ModelRunnerOutput.__new__(ModelRunnerOutput)
     d = view.__dict__
     for name in _OWN_FIELDS:
-        try:
-            d[name] = getattr(out, name)
-        except AttributeError:
-            pass
+        value = getattr(out, name, _UNSET)
+        if value is not _UNSET:
+            d[name] = value
     d["sampled_token_ids"] = []
     if logprobs is not None:
         d["logprobs"] = logprobs

@@ -552,6 +552,19 @@ def _roundtrip(out: Any, path: str, **kw: Any) -> ModelRunnerOutput:
 # --------------------------------------------------------------------------- lossless
 
 
+@pytest.mark.parametrize("make", CASES, ids=lambda f: f.__name__.lstrip("_"))
+def test_step_json_is_what_the_json_module_writes(make: Callable[[], ModelRunnerOutput]) -> None:
+    """The encoder's step JSON (written through the C encoder made once) is byte for byte
+    what ``json.JSONEncoder(separators=(",", ":")).encode`` makes of the same object."""
+    import json
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        raw = to_record_batch(make(), step=7).schema.metadata[b"arrow_outputs.step"]
+    meta = json.loads(raw)
+    assert raw == json.JSONEncoder(separators=(",", ":")).encode(meta).encode()
+
+
 @pytest.mark.parametrize("path", ["direct", "ipc"])
 @pytest.mark.parametrize("make", CASES, ids=lambda f: f.__name__.lstrip("_"))
 def test_from_record_batch_lossless(make: Callable[[], ModelRunnerOutput], path: str) -> None:

@@ -428,13 +428,15 @@ def test_decode_batch_reuses_the_last_steps_request_ids_as_fresh_containers() ->
     assert ao.first_difference(b, second) is None
     # The same str objects (not decoded again), in a new list and a new dict.
     assert all(x is y for x, y in zip(a.req_ids, b.req_ids, strict=True))
-    assert b.req_ids is not a.req_ids and b.req_id_to_index is not a.req_id_to_index
+    assert b.req_ids is not a.req_ids
+    assert b.req_id_to_index is not a.req_id_to_index
     # What a caller does to its containers never reaches the next step's.
     a.req_ids.reverse()
     a.req_id_to_index.clear()
     b.req_ids[0] = "changed"
     c = ao.from_record_batch(ao.to_record_batch(second, step=3))
-    assert c.req_ids == second.req_ids and c.req_id_to_index == second.req_id_to_index
+    assert c.req_ids == second.req_ids
+    assert c.req_id_to_index == second.req_id_to_index
 
 
 def test_decode_batch_never_reuses_request_ids_that_differ_in_one_byte() -> None:
@@ -445,7 +447,8 @@ def test_decode_batch_never_reuses_request_ids_that_differ_in_one_byte() -> None
     other.req_ids, other.req_id_to_index = ids, {r: i for i, r in enumerate(ids)}
     ao.from_record_batch(ao.to_record_batch(first, step=1))
     got = ao.from_record_batch(ao.to_record_batch(other, step=2))
-    assert got.req_ids == ids and got.req_id_to_index == other.req_id_to_index
+    assert got.req_ids == ids
+    assert got.req_id_to_index == other.req_id_to_index
 
 
 def test_decode_batch_decodes_afresh_past_a_bad_entry(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -453,7 +456,8 @@ def test_decode_batch_decodes_afresh_past_a_bad_entry(monkeypatch: pytest.Monkey
     batch = ao.to_record_batch(out, step=1)
     ao.from_record_batch(batch)
     known = _accel._known_req_ids
-    assert type(known) is tuple and known[2] == tuple(out.req_ids)
+    assert type(known) is tuple
+    assert known[2] == tuple(out.req_ids)
     # An entry whose bytes match but whose ids are not strs is not used.
     monkeypatch.setattr(_accel, "_known_req_ids", (*known[:2], tuple(range(64)), known[3]))
     assert ao.from_record_batch(batch).req_ids == out.req_ids
