@@ -1721,6 +1721,19 @@ dec_flag(PyObject *obj)
     return obj == Py_True ? 1 : obj == Py_False ? 0 : -1;
 }
 
+/* A dict for n items: sized once where CPython offers it (3.8-3.12), instead of growing
+ * through a rehash at every power of two. */
+static PyObject *
+new_dict(int64_t n)
+{
+#if PY_VERSION_HEX < 0x030D0000
+    return _PyDict_NewPresized((Py_ssize_t)n);
+#else
+    (void)n;
+    return PyDict_New();
+#endif
+}
+
 /* Request ids seen in the last step decoded, kept for the next one: vLLM's decode steps keep
  * their requests, so most steps carry the very same req_id column. The entry is
  * (offsets bytes, data bytes, ids tuple, index dict), made here and never handed out: a step
@@ -1835,7 +1848,7 @@ dec_strs(const struct ArrowArray *col, int64_t n, PyObject *known, PyObject **id
         }
     }
     ids = PyList_New((Py_ssize_t)n);
-    index = PyDict_New();
+    index = new_dict(n);
     if (ids == NULL || index == NULL) {
         goto error;
     }
