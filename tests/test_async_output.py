@@ -151,6 +151,43 @@ def test_async_arrow_output_kv_connector_output_even_when_conversion_fails() -> 
     assert out.get_kv_connector_output().finished_sending == {"x"}
 
 
+@dataclasses.dataclass
+class _NewerMRO(ao.ModelRunnerOutput):
+    """A model-runner output of a newer vLLM, with a field the format has no place for."""
+
+    routed_experts: Any = None
+
+
+def test_async_arrow_output_refuses_a_field_the_format_lacks() -> None:
+    mro, sampler, counts = _step(3, 1)
+    newer = _NewerMRO(**{f.name: getattr(mro, f.name) for f in dataclasses.fields(mro)})
+    newer.routed_experts = [1, 2, 3]
+    with pytest.raises(ao.UnsupportedValueError, match=r"output\.routed_experts"):
+        AsyncArrowOutput(newer, sampler, counts).get_record_batch()
+    newer.routed_experts = None  # None is no data: the step encodes
+    batch = AsyncArrowOutput(newer, sampler, counts).get_record_batch(step=1)
+    expected = ao.to_record_batch(vllm_get_output(copy.copy(mro), sampler, counts), step=1)
+    assert batch.equals(expected)
+
+
+def test_async_arrow_output_older_objects_get_the_defaults() -> None:
+    """An older vLLM's output object without the newer fields: the encoder's defaults."""
+    mro, sampler, counts = _step(3, 1)
+
+    class Older:
+        def __init__(self) -> None:
+            self.req_ids = mro.req_ids
+            self.req_id_to_index = mro.req_id_to_index
+            self.prompt_logprobs_dict: dict[str, Any] = {}
+
+    batch = AsyncArrowOutput(Older(), sampler, counts).get_record_batch(step=1)
+    plain = copy.copy(mro)
+    plain.prompt_logprobs_dict = {}
+    plain.kv_connector_output = plain.cudagraph_stats = None
+    expected = ao.to_record_batch(vllm_get_output(plain, sampler, counts), step=1)
+    assert batch.equals(expected)
+
+
 def test_async_arrow_output_checks_its_tensors() -> None:
     mro, sampler, _ = _step(3, 1)
     with pytest.raises(ao.ShapeError, match="num_sampled_tokens"):
