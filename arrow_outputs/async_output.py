@@ -25,6 +25,7 @@ import pyarrow as pa
 from . import _accel
 from ._checks import arange_offsets, describe
 from ._torch import host_numpy
+from .batch import _refuse_unknown_fields, encode_step, to_record_batch
 from .device import Staged, StagingPool
 from .errors import (
     ConsistencyError,
@@ -33,6 +34,8 @@ from .errors import (
     ShapeError,
     UnsupportedValueError,
 )
+from .mask_tensors import SamplingMaskTensors, mask_array_supports
+from .mask_tensors import _ramp as ramp_of
 from .masks import SAMPLING_MASK_TYPE
 from .outputs import (
     AsyncModelRunnerOutput,
@@ -40,6 +43,7 @@ from .outputs import (
     LogprobsLists,
     ModelRunnerOutput,
 )
+from .schema import infer_schema
 
 __all__ = ["AsyncArrowOutput"]
 
@@ -186,8 +190,6 @@ class AsyncArrowOutput(AsyncModelRunnerOutput):
         )
 
     def _host_masks(self) -> Any:
-        from .mask_tensors import SamplingMaskTensors
-
         m = self._masks
         if m is None:
             return None
@@ -234,8 +236,6 @@ class AsyncArrowOutput(AsyncModelRunnerOutput):
         Python lists; the logprob columns' values are the staged slab's memory (zero-copy),
         which stays leased while the batch (or anything made from it) lives.
         """
-        from .batch import _refuse_unknown_fields, encode_step
-
         self._finish_common()
         out = self.model_runner_output
         n = len(out.req_ids)
@@ -251,8 +251,6 @@ class AsyncArrowOutput(AsyncModelRunnerOutput):
             list_type = _SAMPLED_TYPE if schema is None else schema.field("sampled_token_ids").type
             prebuilt["sampled_token_ids"] = (_sampled_column(padded, counts, list_type), "lists")
         if self._masks is not None:
-            from .mask_tensors import mask_array_supports
-
             m = self._masks
             rpr = getattr(m, "rows_per_request", 1)
             ids, inner, outer = mask_array_supports(
@@ -345,8 +343,6 @@ def _inferred_schema(view: Any, lp: LogprobsLists | None) -> pa.Schema | None:
     key = None if lp is None else (lp.logprob_token_ids.dtype.str, lp.sampled_token_ranks.dtype.str)
     schema = _INFERRED.get(key)
     if schema is None:
-        from .schema import infer_schema
-
         schema = _INFERRED[key] = infer_schema(view)
     return schema
 
@@ -392,7 +388,8 @@ def _sampled_column(padded: np.ndarray, counts: np.ndarray, list_type: pa.DataTy
     n, width = padded.shape
     if counts.ndim != 1 or counts.dtype.kind not in "iu":
         raise FieldTypeError("num_sampled_tokens", "a 1-D integer tensor", describe(counts))
-    lo, hi = int(counts.min()), int(counts.max())
+    # The ufuncs' reduce: ndarray.min/max add a Python-level wrapper each.
+    lo, hi = int(_MIN(counts)), int(_MAX(counts))
     if lo < 0:
         i = int(np.argmax(counts < 0))
         raise ConsistencyError(f"num_sampled_tokens[{i}]", "a count >= 0", str(int(counts[i])))
@@ -431,9 +428,7 @@ def _nans_column(nans: np.ndarray, n: int) -> Any:
 
 
 def _ramp(n: int) -> np.ndarray:
-    from .mask_tensors import _ramp as ramp
-
-    return ramp(n, np.int64)
+    return ramp_of(n, np.int64)
 
 
 def _ids_as(values: np.ndarray, arrow_type: pa.DataType, *, copy: bool = False) -> np.ndarray:
@@ -441,7 +436,7 @@ def _ids_as(values: np.ndarray, arrow_type: pa.DataType, *, copy: bool = False) 
 
     A schema of another id type gets int64 here; the encoder then refuses that schema with
     the precise error."""
-    target = _NP_OF.get(arrow_type.id, _NP_OF[pa.int64().id])
+    target = _NP_OF.get(arrow_type.id, _NP_INT64)
     if values.dtype == target:  # the common case, before the message is formatted
         return values.copy() if copy else np.ascontiguousarray(values)
     what = f"token ids within {target} (the run's id type)"
@@ -452,6 +447,8 @@ _NP_OF: dict[int, np.dtype[Any]] = {
     pa.int32().id: np.dtype(np.int32),
     pa.int64().id: np.dtype(np.int64),
 }
+_NP_INT64 = _NP_OF[pa.int64().id]
+_MIN, _MAX = np.minimum.reduce, np.maximum.reduce
 
 
 def _ints_as(
@@ -533,8 +530,6 @@ class AsyncArrowPoolingOutput(AsyncModelRunnerOutput):
     ) -> pa.RecordBatch:
         """The step's record batch; the pooler column is the staged slab's memory when the
         rows are consecutive there (always for a whole tensor)."""
-        from .batch import to_record_batch
-
         return to_record_batch(self.get_output(), step=step, schema=schema)
 
     def get_kv_connector_output(self) -> KVConnectorOutput | None:
