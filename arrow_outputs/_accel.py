@@ -118,15 +118,19 @@ def _c_record_batch(columns: list[Any], schema: pa.Schema, n: int) -> pa.RecordB
     """
     if _compiled is None or len(columns) != len(schema):
         return _pyspeedups.record_batch(columns, schema, n)
-    nodes = []
-    for i, col in enumerate(columns):
-        if type(col) is not tuple:
-            node = _pyspeedups.node_of(col) if col.type.equals(schema.field(i).type) else None
-            if node is None:
-                return _pyspeedups.record_batch(columns, schema, n)
-            col = node
-        nodes.append(col)
-    capsule, address = _compiled.build_array((n, 0, (None,), tuple(nodes)))
+    if list(map(type, columns)).count(tuple) == len(columns):  # every column a node already
+        nodes = tuple(columns)
+    else:
+        as_nodes = []
+        for i, col in enumerate(columns):
+            if type(col) is not tuple:
+                node = _pyspeedups.node_of(col) if col.type.equals(schema.field(i).type) else None
+                if node is None:
+                    return _pyspeedups.record_batch(columns, schema, n)
+                col = node
+            as_nodes.append(col)
+        nodes = tuple(as_nodes)
+    capsule, address = _compiled.build_array((n, 0, (None,), nodes))
     batch = pa.RecordBatch._import_from_c(address, schema)
     del capsule  # moved into the batch by the import; releases the tree only if it was not
     # The checks from_buffers and from_arrays make (buffer sizes, offsets against lengths).

@@ -18,6 +18,7 @@ import re
 import threading
 import weakref
 from collections.abc import Callable
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -255,6 +256,17 @@ def _parse(raw: Any, path: str, spec: dict[str, Check]) -> dict[str, Any]:
     if out["dropped"] is None:
         out["dropped"] = []
     return out
+
+
+# ------------------------------------------------------------------------------- layouts
+
+
+@lru_cache(maxsize=256, typed=True)
+def shared_layout(**items: Any) -> dict[str, Any]:
+    """One dict object per distinct layout (``typed``: ``True`` and ``1`` stay apart), so
+    that steps of one shape hand the step JSON writer the very same objects and it can reuse
+    their JSON (``batch._step_json``). Never change the result: it is shared."""
+    return dict(items)
 
 
 # ------------------------------------------------------------------------------- ownership

@@ -892,26 +892,60 @@ def encode_step(
         )
     run = _run_of(schema)
     ctx = _Enc(output, req_ids, index, n, run.types, run.absent(n), run.arrow_types)
-    # "rows" lets a reader notice step metadata that belongs to another batch.
-    meta: dict[str, Any] = {"step": step, "rows": n}
     step_col, identity = _step_column(n, step)
     req_index = _req_index_node(n) if _accel.accelerated() else _req_index(n)
     arrays = [step_col, run.req_id_column(req_ids), req_index]
+    layouts = []
     for name, codec in _CODECS.items():
         if prebuilt and name in prebuilt:
-            arr, meta[codec.meta_key] = prebuilt[name]
+            arr, layout = prebuilt[name]
         else:
-            arr, meta[codec.meta_key] = codec.encode(ctx)
+            arr, layout = codec.encode(ctx)
         arrays.append(arr)
+        layouts.append(layout)
     dropped: Dropped = []
+    objects = []
     for key in _STEP_CLASSES:
-        meta[key] = _step_object(_get(output, key, ModelRunnerOutput), key, opaque, dropped)
-    meta["dropped"] = dropped
-    raw = _json_encode(meta).encode()
+        obj = getattr(output, key, None)  # None is these fields' default (an older vLLM's)
+        objects.append(None if obj is None else _step_object(obj, key, opaque, dropped))
+    raw = _step_json(step, n, layouts, objects, dropped)
     _stepmeta.register(identity, raw)
     run_meta = run.metadata.copy()
     run_meta[KEY_STEP] = raw
     return _accel.record_batch(arrays, schema.with_metadata(run_meta), n)
+
+
+# The last step JSON's tail (everything after "step" and "rows") and the layout objects it
+# was written from: one tuple, replaced whole (threads at worst miss it).
+_TAIL: tuple[tuple[Any, ...], bytes] | None = None
+
+
+def _step_json(
+    step: int | None, n: int, layouts: list[Any], objects: list[Any], dropped: Dropped
+) -> bytes:
+    """The step JSON: ``{"step", "rows"}`` (``rows`` lets a reader notice step metadata
+    that belongs to another batch), each codec's layout, the step-level objects, the dropped
+    values; as ``_json_encode`` writes it.
+
+    A step whose layouts are the very objects of the last step's (shared layouts, constant
+    strings) and that has no step-level objects reuses the last tail's bytes: the same
+    objects write the same JSON. Anything else is written in full."""
+    global _TAIL
+    if dropped or objects.count(None) != len(objects):
+        meta = {"step": step, "rows": n, **dict(zip(_META_KEYS, layouts))}
+        meta.update(zip(_STEP_CLASSES, objects))
+        meta["dropped"] = dropped
+        return _json_encode(meta).encode()
+    head = b'{"step":%s,"rows":%d,' % (b"null" if step is None else b"%d" % step, n)
+    last = _TAIL
+    if last is not None and all(map(operator.is_, last[0], layouts)):
+        return head + last[1]
+    tail_meta = dict(zip(_META_KEYS, layouts))
+    tail_meta.update(dict.fromkeys(_STEP_CLASSES))
+    tail_meta["dropped"] = []
+    tail = _json_encode(tail_meta).encode()[1:]  # after its "{"
+    _TAIL = (tuple(layouts), tail)
+    return head + tail
 
 
 def _step_number(step: Any) -> int | None:

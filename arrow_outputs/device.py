@@ -131,12 +131,13 @@ class PoolStats:
 class _Slab:
     """One pinned (or plain) host allocation, with its numpy view made once."""
 
-    __slots__ = ("address", "array", "tensor")
+    __slots__ = ("address", "array", "nbytes", "tensor")
 
     def __init__(self, tensor: Any) -> None:
         self.tensor = tensor  # uint8, 1-D
         self.array: np.ndarray = tensor.numpy()  # a view: host memory, pinned or not
         self.address: int = tensor.data_ptr()
+        self.nbytes: int = self.array.size
 
 
 class _Lease:
@@ -208,7 +209,11 @@ class StagingPool:
         self._pin = pin
         self._free: list[_Slab] = []  # slabs not leased
         self._count = 0  # slabs held, leased or free
-        self._cond = threading.Condition()
+        # A plain lock under the condition: `with self._lock` costs less than the
+        # condition's Python-level __enter__, and notify() runs only while someone waits.
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._waiting = 0  # stagings blocked in _acquire now
         self._allocations = self._reuses = self._bytes = self._waits = 0
 
     def _pinned(self) -> bool:
@@ -218,26 +223,30 @@ class StagingPool:
         return self._pin
 
     def stats(self) -> PoolStats:
-        with self._cond:
+        with self._lock:
             return PoolStats(self._count, self._allocations, self._reuses, self._bytes, self._waits)
 
     def free_slabs(self) -> int:
         """Slabs ready to be handed out now."""
-        with self._cond:
+        with self._lock:
             return len(self._free)
 
     def _release(self, slab: _Slab) -> None:
-        with self._cond:
+        with self._lock:
             self._free.append(slab)
-            self._cond.notify()
+            if self._waiting:
+                self._cond.notify()
 
     def _acquire(self, nbytes: int) -> _Slab:
-        torch = _torch()
-        with self._cond:
+        with self._lock:
+            free = self._free
+            if len(free) == 1 and free[0].nbytes >= nbytes:  # the one free slab fits: best
+                self._reuses += 1
+                return free.pop()
             waited = False
             while True:
                 # By position, never list.remove (it compares with ==).
-                sizes = [s.array.size for s in self._free]
+                sizes = [s.nbytes for s in self._free]
                 fitting = [i for i, size in enumerate(sizes) if size >= nbytes]
                 if fitting:
                     slab = self._free.pop(min(fitting, key=sizes.__getitem__))
@@ -255,13 +264,19 @@ class StagingPool:
                 if not waited:
                     self._waits += 1
                     waited = True
-                if not self._cond.wait(self.timeout):
+                self._waiting += 1
+                try:
+                    got = self._cond.wait(self.timeout)
+                finally:
+                    self._waiting -= 1
+                if not got:
                     raise UnsupportedValueError(
                         "StagingPool",
                         f"a slab back within {self.timeout} s (max_slabs={self.max_slabs})",
                         "every slab still viewed by a batch, buffer or tensor; release them, "
                         "or make the pool larger",
                     )
+        torch = _torch()
         return _Slab(torch.empty(size, dtype=torch.uint8, pin_memory=self._pinned()))
 
     def stage(
@@ -275,20 +290,23 @@ class StagingPool:
         are valid after ``wait()``.
         """
         torch = _torch()
+        tensor_type = torch.Tensor
         items = list(tensors)
         specs: list[tuple[int, str, tuple[int, ...]]] = []
         total = staged_bytes = 0
+        on_cuda = False
         for i, t in enumerate(items):
-            if not is_tensor(t):
+            if not isinstance(t, tensor_type):
                 raise FieldTypeError(f"tensors[{i}]", "a torch tensor", describe(t))
             nbytes = t.nbytes
             specs.append((total, _dtype_name(t.dtype), tuple(t.shape)))
             staged_bytes += nbytes
             total += -(-nbytes // _ALIGN) * _ALIGN
+            on_cuda = on_cuda or t.is_cuda
         slab = self._acquire(max(total, 1))
         lease = _Lease(self, slab)
         event = None
-        if any(t.is_cuda for t in items):
+        if on_cuda:
             side = stream if stream is not None else torch.cuda.Stream()
             main = main_stream if main_stream is not None else torch.cuda.current_stream()
             side.wait_stream(main)
@@ -308,7 +326,7 @@ class StagingPool:
                     # A host-to-host copy through numpy: a few times cheaper than torch's
                     # view-and-copy_ chain for the small tensors of a step.
                     slab.array[off : off + src.size] = src
-        with self._cond:
+        with self._lock:
             self._bytes += staged_bytes
         return Staged(lease, specs, event, total)
 

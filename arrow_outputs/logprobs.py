@@ -34,6 +34,7 @@ from ._checks import (
     offsets_from_list,
     row_label,
 )
+from ._stepmeta import shared_layout
 from ._torch import as_tensor, numpy_to_tensor
 from .errors import (
     FieldTypeError,
@@ -191,11 +192,12 @@ def encode_logprobs(
     num_pos, width = ids.shape
     cu = x.cu_num_generated_tokens
     cu_tensor = getattr(x, "cu_num_generated_tokens_tensor", None)
-    layout: dict[str, Any] = {"kind": kind, "cu": "list", "width": int(width)}
+    # Shared per shape (never changed): the step JSON writer reuses the JSON of its objects.
     if cu is not None:
         outer = offsets_from_list(
             cu, f"{field}.cu_num_generated_tokens", last=num_pos, what="logprob positions"
         )
+        layout = shared_layout(kind=kind, cu="list", width=int(width))
     elif cu_tensor is not None:
         cu_np, cu_dt = host_array(cu_tensor, f"{field}.cu_num_generated_tokens_tensor")
         outer = offsets_from_list(
@@ -204,10 +206,10 @@ def encode_logprobs(
             last=num_pos,
             what="logprob positions",
         )
-        layout.update(cu="tensor", cu_dtype=cu_dt)
+        layout = shared_layout(kind=kind, cu="tensor", width=int(width), cu_dtype=cu_dt)
     else:
         outer = arange_offsets(num_pos)
-        layout["cu"] = "none"
+        layout = shared_layout(kind=kind, cu="none", width=int(width))
     n = len(outer) - 1
     if num_rows is not None and n != num_rows:
         expected = (

@@ -28,6 +28,7 @@ from ._checks import (
     is_arange,
     offsets_from_list,
 )
+from ._stepmeta import shared_layout
 from .errors import FieldTypeError, OffsetsError, SchemaMismatchError, ShapeError
 from .logprobs import list_offsets
 
@@ -51,7 +52,7 @@ def encode_sampling_masks(
     check_ndim(token_ids, 1, f"{field}.token_ids")
     check_dtype(dt, ("int32",), f"{field}.token_ids")
     token_ids = np.ascontiguousarray(token_ids)
-    layout = {"offsets": m.offsets is not None, "cu": m.cu_num_generated_tokens is not None}
+    layout = shared_layout(offsets=m.offsets is not None, cu=m.cu_num_generated_tokens is not None)
     if m.offsets is None:
         csr = np.array([0, len(token_ids)], dtype=np.int64)  # one position holds every id
     else:

@@ -565,6 +565,27 @@ def test_step_json_is_what_the_json_module_writes(make: Callable[[], ModelRunner
     assert raw == json.JSONEncoder(separators=(",", ":")).encode(meta).encode()
 
 
+def test_step_json_tails_are_reused_only_for_the_same_layouts() -> None:
+    """Steps of changing shapes, one after the other (each shape twice, so the writer's
+    reuse of the last step's JSON tail is taken and left): every step's JSON is what the
+    json module writes of it, and every step decodes to itself."""
+    import json
+
+    writer = json.JSONEncoder(separators=(",", ":"))
+    makes = [_decode_step, _speculative, _masks_single_position, _empty_with_kv, _num_nans]
+    for step, make in enumerate([m for m in makes for _ in range(2)] + makes):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = make()
+            batch = to_record_batch(out, step=step)
+        raw = batch.schema.metadata[b"arrow_outputs.step"]
+        meta = json.loads(raw)
+        assert raw == writer.encode(meta).encode()
+        assert meta["step"] == step
+        assert meta["rows"] == len(out.req_ids)
+        assert_same_output(out, from_record_batch(batch))
+
+
 @pytest.mark.parametrize("path", ["direct", "ipc"])
 @pytest.mark.parametrize("make", CASES, ids=lambda f: f.__name__.lstrip("_"))
 def test_from_record_batch_lossless(make: Callable[[], ModelRunnerOutput], path: str) -> None:
