@@ -160,20 +160,28 @@ class AsyncArrowOutput(AsyncModelRunnerOutput):
             k: v.to("cpu", non_blocking=True)
             for k, v in getattr(model_runner_output, "prompt_token_id_logprobs_dict", {}).items()
         }
-        self._arrays: list[np.ndarray] | None = None
+        self._arrays: dict[str, np.ndarray] | None = None  # _views()
 
     # ------------------------------------------------------------------ staged views
 
     def _has(self, name: str) -> bool:
         return name in self._slots or name in self._in_place
 
+    def _views(self) -> dict[str, np.ndarray]:
+        """Every tensor's host numpy array by name, made once (read them after the copies
+        have landed): the staged ones over one Arrow buffer of the slab, the ones used in
+        place as views of their tensors."""
+        views = self._arrays
+        if views is None:
+            arrays = self._staged.arrays()
+            views = {name: arrays[i] for name, i in self._slots.items()}
+            for name, t in self._in_place.items():
+                views[name] = host_numpy(t, name)
+            self._arrays = views
+        return views
+
     def _numpy(self, name: str) -> np.ndarray:
-        if name in self._in_place:
-            return host_numpy(self._in_place[name], name)
-        if self._arrays is None:
-            # Every staged array at once: one Arrow buffer over the slab for all of them.
-            self._arrays = self._staged.arrays()
-        return self._arrays[self._slots[name]]
+        return self._views()[name]
 
     def _host_tensor(self, name: str) -> Any:
         if name in self._in_place:
@@ -181,14 +189,13 @@ class AsyncArrowOutput(AsyncModelRunnerOutput):
         return self._staged.tensor(self._slots[name])
 
     def _host_logprobs(self) -> LogprobsLists | None:
-        if not self._has("lp_ids"):
+        v = self._views()
+        if "lp_ids" not in v:
             return None
         cu = self._lp_cu
-        if self._has("lp_cu"):
-            cu = self._numpy("lp_cu").tolist()
-        return LogprobsLists(
-            self._numpy("lp_ids"), self._numpy("lp_values"), self._numpy("lp_ranks"), cu
-        )
+        if "lp_cu" in v:
+            cu = v["lp_cu"].tolist()
+        return LogprobsLists(v["lp_ids"], v["lp_values"], v["lp_ranks"], cu)
 
     def _host_masks(self) -> Any:
         m = self._masks
@@ -240,8 +247,9 @@ class AsyncArrowOutput(AsyncModelRunnerOutput):
         self._finish_common()
         out = self.model_runner_output
         n = len(out.req_ids)
-        padded = self._numpy("sampled")
-        counts = self._numpy("counts")
+        v = self._views()
+        padded = v["sampled"]
+        counts = v["counts"]
         if padded.shape[0] != n:
             raise ShapeError(
                 "sampler_output.sampled_token_ids", f"{n} rows (one per request)", str(len(padded))
@@ -255,9 +263,9 @@ class AsyncArrowOutput(AsyncModelRunnerOutput):
             m = self._masks
             rpr = getattr(m, "rows_per_request", 1)
             ids, inner, outer = mask_array_supports(
-                self._numpy("mask_ids"),
-                self._numpy("mask_bits"),
-                self._numpy("mask_counts"),
+                v["mask_ids"],
+                v["mask_bits"],
+                v["mask_counts"],
                 m.vocab_size,
                 rpr,
                 counts,
@@ -273,8 +281,8 @@ class AsyncArrowOutput(AsyncModelRunnerOutput):
                 _column(node, SAMPLING_MASK_TYPE),
                 shared_layout(offsets=True, cu=rpr > 1),
             )
-        if self._has("num_nans"):
-            prebuilt["num_nans_in_logits"] = (_nans_column(self._numpy("num_nans"), n), "dict")
+        if "num_nans" in v:
+            prebuilt["num_nans_in_logits"] = (_nans_column(v["num_nans"], n), "dict")
         # The logprobs column's encoder is already zero-copy over these staged arrays.
         lp = self._host_logprobs()
         # Fields the format has no place for are refused by name, as the encoder would.
