@@ -871,7 +871,8 @@ def encode_step(
     """:func:`to_record_batch`, with some columns already built (``prebuilt``: column name to
     (array, step JSON layout)), as a producer that holds the data in another form builds them
     (``AsyncArrowOutput`` from staged device tensors). The arrays must be what the column's
-    encoder would make of ``output``'s field."""
+    encoder would make of ``output``'s field, and a layout object is never changed once
+    handed over (the step JSON writer reuses the JSON of the last step's layout objects)."""
     if opaque not in ("drop", "error"):
         raise FieldTypeError("opaque", "'drop' or 'error'", repr(opaque))
     for name in ("req_ids", "req_id_to_index"):
