@@ -1715,6 +1715,24 @@ dec_arange32(const char *offs, int64_t from, int64_t count, int64_t step)
     return 1;
 }
 
+/* A list column's cu_num_generated_tokens from its n + 1 outer offsets: the offsets as a
+ * Python list when the layout says a list was given (cu_list), else None after proving them
+ * 0, 1, ..., n (one position per request). 1 with *cu set, 0 for "not this path", -1 on
+ * error. */
+static int
+dec_outer_cu(const char *outer, int64_t n, int cu_list, PyObject **cu)
+{
+    if (cu_list) {
+        *cu = dec_cu_list(outer, 0, n);
+        return *cu == NULL ? -1 : 1;
+    }
+    if (!dec_arange32(outer, 0, n, 1)) {
+        return 0;
+    }
+    *cu = Py_NewRef(Py_None);
+    return 1;
+}
+
 static int
 dec_flag(PyObject *obj)
 {
@@ -1949,7 +1967,7 @@ dec_logprobs(PyObject *owner, const struct ArrowArray *col, int64_t n, PyObject 
              PyObject **out)
 {
     Py_ssize_t id_size, rank_size, width;
-    int cu_list;
+    int cu_list, rc;
     const struct ArrowArray *st, *tok, *lp, *rank, *tok_vals, *lp_vals;
     const char *outer, *tok_off, *lp_off, *ids, *lps, *ranks;
     int64_t p0, p1, num, w, lo, hi;
@@ -2018,17 +2036,9 @@ dec_logprobs(PyObject *owner, const struct ArrowArray *col, int64_t n, PyObject 
     if (ids == NULL || lps == NULL) {
         return 0;
     }
-    if (cu_list) {
-        cu = dec_cu_list(outer, 0, n);
-        if (cu == NULL) {
-            return -1;
-        }
-    }
-    else {
-        if (!dec_arange32(outer, 0, n, 1)) {
-            return 0;
-        }
-        cu = Py_NewRef(Py_None);
+    rc = dec_outer_cu(outer, n, cu_list, &cu);
+    if (rc <= 0) {
+        return rc;
     }
     r_ids = region_new(owner, ids + lo * id_size, (Py_ssize_t)((hi - lo) * id_size));
     r_lps = region_new(owner, lps + lo * 4, (Py_ssize_t)((hi - lo) * 4));
@@ -2054,7 +2064,7 @@ dec_mask(PyObject *owner, const struct ArrowArray *col, int64_t n, PyObject *spe
     const struct ArrowArray *inner, *values;
     const char *outer, *csr, *ids;
     int64_t p0, p1, prev, hi;
-    int cu_list;
+    int cu_list, rc;
     PyObject *cu = NULL, *r_ids = NULL, *r_csr = NULL;
 
     if (!PyTuple_CheckExact(spec) || PyTuple_GET_SIZE(spec) != 1 ||
@@ -2099,17 +2109,9 @@ dec_mask(PyObject *owner, const struct ArrowArray *col, int64_t n, PyObject *spe
     if (ids == NULL || (hi > 0 && values->buffers[1] == NULL)) {
         return 0;
     }
-    if (cu_list) {
-        cu = dec_cu_list(outer, 0, n);
-        if (cu == NULL) {
-            return -1;
-        }
-    }
-    else {
-        if (!dec_arange32(outer, 0, n, 1)) {
-            return 0;
-        }
-        cu = Py_NewRef(Py_None);
+    rc = dec_outer_cu(outer, n, cu_list, &cu);
+    if (rc <= 0) {
+        return rc;
     }
     r_ids = region_new(owner, ids, (Py_ssize_t)(hi * 4));
     r_csr = region_new(owner, csr + p0 * 8, (Py_ssize_t)((p1 - p0 + 1) * 8));
