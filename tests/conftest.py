@@ -3,10 +3,49 @@ CUDA, so the same suite reruns unchanged on a machine with a GPU."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
 import numpy as np
 import pytest
 
-from arrow_outputs import LogprobsLists, ModelRunnerOutput, SamplingMaskLists
+from arrow_outputs import LogprobsLists, ModelRunnerOutput, SamplingMaskLists, _accel, _pyspeedups
+
+try:
+    import arrow_outputs._speedups as speedups_c
+except ModuleNotFoundError:
+    speedups_c = None  # type: ignore[assignment]
+
+#: Both implementations of the accelerator's walks, as test parameters (C skipped if unbuilt).
+SPEEDUP_IMPLS = [
+    pytest.param(_pyspeedups, id="python"),
+    pytest.param(
+        speedups_c,
+        id="c",
+        marks=pytest.mark.skipif(speedups_c is None, reason="arrow_outputs._speedups not built"),
+    ),
+]
+#: The implementations present here.
+BUILT_IMPLS = [m for m in (_pyspeedups, speedups_c) if m is not None]
+needs_c = pytest.mark.skipif(speedups_c is None, reason="arrow_outputs._speedups not built")
+
+
+@contextmanager
+def codec_on(path: str) -> Iterator[None]:
+    """The codec on ``path`` ("c" or "python") inside the block, the previous path after."""
+    was = _accel.accelerated()
+    _accel.set_pure_python(path == "python")
+    try:
+        yield
+    finally:
+        _accel.set_pure_python(not was)
+
+
+def run_on(path: str, call: Callable[[], Any]) -> Any:
+    """``call()`` with the codec on ``path``."""
+    with codec_on(path):
+        return call()
 
 
 @pytest.fixture
@@ -24,10 +63,8 @@ def codec_path(request):
 
     if request.param == "c" and not _accel.AVAILABLE:
         pytest.skip("the C accelerator is not built")
-    was = _accel.accelerated()
-    _accel.set_pure_python(request.param == "python")
-    yield request.param
-    _accel.set_pure_python(not was)
+    with codec_on(request.param):
+        yield request.param
 
 
 def decode_step(step: int, n: int, seed: int = 0) -> ModelRunnerOutput:

@@ -212,6 +212,18 @@ def _aux(rows: int, dtype: type, *, seed: int = 0) -> np.ndarray:
     return _rng(seed).integers(0, np.iinfo(dtype).max, size=(rows, 4, 2)).astype(dtype)
 
 
+def _decode_requests(n_req: int, seed: int, width: int) -> ModelRunnerOutput:
+    """A decode step of requests ``r0, r1, ...``: token ``seed * 100 + i`` each and
+    ``width`` logprobs per position (seeded)."""
+    req_ids = [f"r{i}" for i in range(n_req)]
+    return ModelRunnerOutput(
+        req_ids,
+        _index(req_ids),
+        [[seed * 100 + i] for i in range(n_req)],
+        logprobs=_lists(n_req, width, seed=seed),
+    )
+
+
 def _decode_step() -> ModelRunnerOutput:
     req_ids = ["r0", "r1", "r2"]
     return ModelRunnerOutput(

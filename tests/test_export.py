@@ -12,7 +12,14 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.dataset as ds
 import pytest
-from test_batch import CASES, _decode_int32, _decode_step, _empty, _index, _lists, _speculative
+from test_batch import (
+    CASES,
+    _decode_int32,
+    _decode_requests,
+    _decode_step,
+    _empty,
+    _speculative,
+)
 
 import arrow_outputs as ao
 from arrow_outputs.export import (
@@ -36,14 +43,8 @@ def _write_run(path: Path, outputs: list[ao.ModelRunnerOutput], **kw) -> Path:
     return path
 
 
-def _decode(n_req: int, step_seed: int) -> ao.ModelRunnerOutput:
-    req_ids = [f"r{i}" for i in range(n_req)]
-    return ao.ModelRunnerOutput(
-        req_ids,
-        _index(req_ids),
-        [[step_seed * 100 + i] for i in range(n_req)],
-        logprobs=_lists(n_req, 3, seed=step_seed),
-    )
+def _decode(n_req: int, seed: int) -> ao.ModelRunnerOutput:
+    return _decode_requests(n_req, seed, width=3)
 
 
 @pytest.fixture

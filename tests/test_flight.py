@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.flight as fl
 import pytest
-from test_batch import _decode_step, _empty, _index, _lists, _speculative
+from test_batch import _decode_requests, _decode_step, _empty, _speculative
 
 import arrow_outputs as ao
 from arrow_outputs.export import check_run_name
@@ -27,13 +27,7 @@ TOKEN = "t0k3n-for-tests"
 
 
 def _decode(n_req: int, seed: int) -> ao.ModelRunnerOutput:
-    req_ids = [f"r{i}" for i in range(n_req)]
-    return ao.ModelRunnerOutput(
-        req_ids,
-        _index(req_ids),
-        [[seed * 100 + i] for i in range(n_req)],
-        logprobs=_lists(n_req, 4, seed=seed),
-    )
+    return _decode_requests(n_req, seed, width=4)
 
 
 def _run(n: int, seed: int = 0) -> list[ao.ModelRunnerOutput]:

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pytest
+from conftest import run_on as _on
 from test_batch import CASES
 from test_errors import FROM_RECORD_BATCH, TO_RECORD_BATCH
 
@@ -21,15 +22,6 @@ import arrow_outputs as ao
 from arrow_outputs import _accel
 
 pytestmark = pytest.mark.skipif(not _accel.AVAILABLE, reason="the C accelerator is not built")
-
-
-def _on(path: str, call: Callable[[], Any]) -> Any:
-    was = _accel.accelerated()
-    _accel.set_pure_python(path == "python")
-    try:
-        return call()
-    finally:
-        _accel.set_pure_python(not was)
 
 
 def _outcome(path: str, call: Callable[[], Any]) -> Any:

@@ -18,6 +18,10 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pytest
+from conftest import BUILT_IMPLS as BOTH
+from conftest import needs_c
+from conftest import run_on as _on
+from conftest import speedups_c as _speedups
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_batch import CASES
@@ -27,26 +31,9 @@ from arrow_outputs import _accel, _pyspeedups, _stepmeta
 from arrow_outputs.batch import _SPEC
 from arrow_outputs.errors import StepMetadataError
 
-try:
-    import arrow_outputs._speedups as _speedups
-except ModuleNotFoundError:
-    _speedups = None  # type: ignore[assignment]
-
-needs_c = pytest.mark.skipif(_speedups is None, reason="arrow_outputs._speedups not built")
-BOTH = [m for m in (_pyspeedups, _speedups) if m is not None]
-
 
 class IntSub(int):
     pass
-
-
-def _on(path: str, call: Any) -> Any:
-    was = _accel.accelerated()
-    _accel.set_pure_python(path == "python")
-    try:
-        return call()
-    finally:
-        _accel.set_pure_python(not was)
 
 
 # ----------------------------------------------------------------------------- int_offsets

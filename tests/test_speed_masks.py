@@ -13,31 +13,18 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import BUILT_IMPLS as BOTH
+from conftest import SPEEDUP_IMPLS as IMPLS
+from conftest import needs_c
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import arrow_outputs as ao
-from arrow_outputs import _accel, _pyspeedups
+from arrow_outputs import _accel
 from arrow_outputs import mask_tensors as mt
 from arrow_outputs.mask_tensors import SamplingMaskTensors, mask_array_supports
 
-try:
-    import arrow_outputs._speedups as _speedups
-except ModuleNotFoundError:
-    _speedups = None  # type: ignore[assignment]
-
 torch = pytest.importorskip("torch")
-
-IMPLS = [
-    pytest.param(_pyspeedups, id="python"),
-    pytest.param(
-        _speedups,
-        id="c",
-        marks=pytest.mark.skipif(_speedups is None, reason="arrow_outputs._speedups not built"),
-    ),
-]
-BOTH = [m for m in (_pyspeedups, _speedups) if m is not None]
-needs_c = pytest.mark.skipif(_speedups is None, reason="arrow_outputs._speedups not built")
 
 
 @pytest.fixture(params=IMPLS)

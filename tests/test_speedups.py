@@ -20,26 +20,15 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pytest
+from conftest import BUILT_IMPLS as BOTH
+from conftest import SPEEDUP_IMPLS as IMPLS
+from conftest import speedups_c as _speedups
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from arrow_outputs import _accel, _pyspeedups
 from arrow_outputs.errors import UnsupportedValueError
 
-try:
-    import arrow_outputs._speedups as _speedups
-except ModuleNotFoundError:
-    _speedups = None  # type: ignore[assignment]
-
-IMPLS = [
-    pytest.param(_pyspeedups, id="python"),
-    pytest.param(
-        _speedups,
-        id="c",
-        marks=pytest.mark.skipif(_speedups is None, reason="arrow_outputs._speedups not built"),
-    ),
-]
-BOTH = [m for m in (_pyspeedups, _speedups) if m is not None]
 FUNCS = (
     "flatten_int_lists",
     "utf8_array",
