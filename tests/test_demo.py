@@ -452,21 +452,16 @@ def test_demo_summary_is_computed_from_the_file(tiny_run: tuple[Path, Any]) -> N
 
 def test_demo_same_seed_same_run(tmp_path: Path) -> None:
     cfg = DemoConfig(**{**TINY.__dict__, "num_requests": 5, "max_steps": 12})
-    a = run_demo(
-        tmp_path / "a.arrow",
-        num_requests=5,
-        max_steps=12,
-        seed=TINY.seed,
-        progress=False,
-        config=cfg,
-    )
-    b = run_demo(
-        tmp_path / "b.arrow",
-        num_requests=5,
-        max_steps=12,
-        seed=TINY.seed,
-        progress=False,
-        config=cfg,
+    a, b = (
+        run_demo(
+            tmp_path / name,
+            num_requests=5,
+            max_steps=12,
+            seed=TINY.seed,
+            progress=False,
+            config=cfg,
+        )
+        for name in ("a.arrow", "b.arrow")
     )
     ta, tb = open_run(a.path).read_all(), open_run(b.path).read_all()
     assert ta.column("sampled_token_ids").equals(tb.column("sampled_token_ids"))

@@ -229,6 +229,19 @@ class ModelRunner:
     def _tensor(self, values: Any, dtype: torch.dtype) -> torch.Tensor:
         return torch.as_tensor(np.asarray(values), dtype=dtype).to(self.device)
 
+    def _forward(
+        self, reqs: list[Any], token_ids: list[int], positions: list[int], n_tok: list[int]
+    ) -> torch.Tensor:
+        """The model over one packed batch (all layers): ``n_tok[i]`` tokens of ``reqs[i]``
+        at ``positions``, written into and read from each request's KV-cache slot."""
+        batch = Batch(
+            self._tensor(token_ids, torch.int64),
+            self._tensor(positions, torch.int64),
+            self._tensor([r.slot for r in reqs], torch.int64),
+            self._tensor(n_tok, torch.int64),
+        )
+        return self.model(batch, self.cache)
+
     def _streams(self) -> dict[str, Any]:
         if self.copy_stream is None:
             return {}
@@ -323,13 +336,7 @@ class ModelRunner:
                 sample_rows += range(base, base + 1 + d)
                 num_logits.append(1 + d)
             positions += range(pos0, pos0 + t)
-        batch = Batch(
-            self._tensor(token_ids, torch.int64),
-            self._tensor(positions, torch.int64),
-            self._tensor([r.slot for r in reqs], torch.int64),
-            self._tensor(n_tok, torch.int64),
-        )
-        hidden = self.model(batch, self.cache)
+        hidden = self._forward(reqs, token_ids, positions, n_tok)
         logits = self.model.logits(hidden[self._tensor(sample_rows, torch.int64)])
 
         # NaN faults, counted per request over its rows, then treated as -inf.
@@ -448,13 +455,7 @@ class ModelRunner:
             positions += range(pos0, pos0 + t)
             last_rows.append(len(token_ids) - 1)
             finished.append(pos0 + t >= r.prompt_len)
-        batch = Batch(
-            self._tensor(token_ids, torch.int64),
-            self._tensor(positions, torch.int64),
-            self._tensor([r.slot for r in reqs], torch.int64),
-            self._tensor(n_tok, torch.int64),
-        )
-        hidden = self.model(batch, self.cache)
+        hidden = self._forward(reqs, token_ids, positions, n_tok)
         # LAST pooling, normalised: vLLM's default for decoder-only embedding models.
         pooled = torch.nn.functional.normalize(hidden[self._tensor(last_rows, torch.int64)], dim=-1)
         req_ids = [r.req_id for r in reqs]
