@@ -164,9 +164,6 @@ class AsyncArrowOutput(AsyncModelRunnerOutput):
 
     # ------------------------------------------------------------------ staged views
 
-    def _has(self, name: str) -> bool:
-        return name in self._slots or name in self._in_place
-
     def _views(self) -> dict[str, np.ndarray]:
         """Every tensor's host numpy array by name, made once (read them after the copies
         have landed): the staged ones over one Arrow buffer of the slab, the ones used in
@@ -179,9 +176,6 @@ class AsyncArrowOutput(AsyncModelRunnerOutput):
                 views[name] = host_numpy(t, name)
             self._arrays = views
         return views
-
-    def _numpy(self, name: str) -> np.ndarray:
-        return self._views()[name]
 
     def _host_tensor(self, name: str) -> Any:
         if name in self._in_place:
@@ -222,14 +216,15 @@ class AsyncArrowOutput(AsyncModelRunnerOutput):
         """The step's ``ModelRunnerOutput``, exactly as vLLM 0.33's ``AsyncOutput`` makes it."""
         self._finish_common()
         out = self.model_runner_output
-        sampled = self._numpy("sampled").tolist()
-        for token_ids, n in zip(sampled, self._numpy("counts").tolist()):
+        v = self._views()
+        sampled = v["sampled"].tolist()
+        for token_ids, n in zip(sampled, v["counts"].tolist()):
             del token_ids[n:]
         out.sampled_token_ids = sampled
         if self._masks is not None:
-            out.sampling_masks = self._host_masks().tolists(self._numpy("counts"))
-        if self._has("num_nans"):
-            out.num_nans_in_logits = dict(zip(out.req_ids, self._numpy("num_nans").tolist()))
+            out.sampling_masks = self._host_masks().tolists(v["counts"])
+        if "num_nans" in v:
+            out.num_nans_in_logits = dict(zip(out.req_ids, v["num_nans"].tolist()))
         lp = self._host_logprobs()
         if lp is not None:
             out.logprobs = lp
