@@ -1715,6 +1715,21 @@ dec_arange32(const char *offs, int64_t from, int64_t count, int64_t step)
     return 1;
 }
 
+/* A list column of n rows without nulls (validity, offsets; one child) whose child is a
+ * node of nbuf buffers and nchild children without nulls, and whose n + 1 offsets index
+ * within the child: 1 with *child and *outer set, 0 otherwise. */
+static int
+dec_list_of(const struct ArrowArray *col, int64_t n, int64_t nbuf, int64_t nchild,
+            const struct ArrowArray **child, const char **outer)
+{
+    if (!dec_dense(col, 2, 1) || col->length != n) {
+        return 0;
+    }
+    *child = col->children[0];
+    *outer = col->buffers[1];
+    return dec_dense(*child, nbuf, nchild) && dec_offsets32(*outer, 0, n, (*child)->length);
+}
+
 /* A list column's cu_num_generated_tokens from its n + 1 outer offsets: the offsets as a
  * Python list when the layout says a list was given (cu_list), else None after proving them
  * 0, 1, ..., n (one position per request). 1 with *cu set, 0 for "not this path", -1 on
@@ -1987,12 +2002,7 @@ dec_logprobs(PyObject *owner, const struct ArrowArray *col, int64_t n, PyObject 
         PyErr_SetString(PyExc_ValueError, "decode_batch: bad logprobs spec");
         return -1;
     }
-    if (!dec_dense(col, 2, 1) || col->length != n) {
-        return 0;
-    }
-    st = col->children[0];
-    outer = col->buffers[1];
-    if (!dec_dense(st, 1, 3) || !dec_offsets32(outer, 0, n, st->length)) {
+    if (!dec_list_of(col, n, 1, 3, &st, &outer)) {
         return 0;
     }
     p0 = load_i32(outer, 0);
@@ -2072,12 +2082,7 @@ dec_mask(PyObject *owner, const struct ArrowArray *col, int64_t n, PyObject *spe
         PyErr_SetString(PyExc_TypeError, "decode_batch: mask spec (cu: bool,)");
         return -1;
     }
-    if (!dec_dense(col, 2, 1) || col->length != n) {
-        return 0;
-    }
-    inner = col->children[0];
-    outer = col->buffers[1];
-    if (!dec_dense(inner, 2, 1) || !dec_offsets32(outer, 0, n, inner->length)) {
+    if (!dec_list_of(col, n, 2, 1, &inner, &outer)) {
         return 0;
     }
     p0 = load_i32(outer, 0);
