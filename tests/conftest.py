@@ -3,13 +3,16 @@ CUDA, so the same suite reruns unchanged on a machine with a GPU."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pytest
 
+import arrow_outputs as ao
 from arrow_outputs import LogprobsLists, ModelRunnerOutput, SamplingMaskLists, _accel, _pyspeedups
 
 try:
@@ -93,3 +96,18 @@ def decode_step(step: int, n: int, seed: int = 0) -> ModelRunnerOutput:
             cu,
         ),
     )
+
+
+def write_stream_lying_about_rows(path: Any, batches: list[pa.RecordBatch], at: int) -> None:
+    """An IPC stream of ``batches`` whose step ``at`` has step JSON that claims 5 rows."""
+    with (
+        pa.OSFile(str(path), "wb") as sink,
+        pa.ipc.new_stream(sink, ao.run_schema(batches[0])) as writer,
+    ):
+        for i, b in enumerate(batches):
+            meta = ao.step_custom_metadata(b)
+            if i == at:
+                step = json.loads(meta[b"arrow_outputs.step"])
+                step["rows"] = 5
+                meta = {b"arrow_outputs.step": json.dumps(step).encode()}
+            writer.write_batch(b, custom_metadata=meta)

@@ -12,6 +12,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.dataset as ds
 import pytest
+from conftest import write_stream_lying_about_rows
 from test_batch import (
     CASES,
     _decode_int32,
@@ -225,16 +226,8 @@ def test_export_dataset_failure_leaves_no_part_of_the_run(tmp_path):
     # A source whose third step lies about its rows: the run is refused whole.
     good = _decode(2, 0)
     batches = [ao.to_record_batch(good, step=s) for s in range(3)]
-    schema = ao.run_schema(batches[0])
     path = tmp_path / "bad.arrows"
-    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
-        for i, b in enumerate(batches):
-            meta = ao.step_custom_metadata(b)
-            if i == 2:
-                step = json.loads(meta[b"arrow_outputs.step"])
-                step["rows"] = 5
-                meta = {b"arrow_outputs.step": json.dumps(step).encode()}
-            writer.write_batch(b, custom_metadata=meta)
+    write_stream_lying_about_rows(path, batches, at=2)
     out = tmp_path / "out"
     with pytest.raises(ao.ArrowOutputsError, match="rows"):
         export_dataset({"bad": path}, out)

@@ -15,6 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.flight as fl
 import pytest
+from conftest import write_stream_lying_about_rows
 from test_batch import _decode_requests, _decode_step, _empty, _speculative
 
 import arrow_outputs as ao
@@ -475,17 +476,7 @@ def test_get_of_a_tampered_file_stops_with_a_typed_error(server, client):
     # A file put in the root by hand whose third step's JSON lies about its rows: the
     # steps before it are served, then the client gets the reader's error, not a traceback.
     batches = [ao.to_record_batch(_decode(2, s), step=s) for s in range(3)]
-    with (
-        pa.OSFile(str(server.root / "tampered.arrows"), "wb") as sink,
-        pa.ipc.new_stream(sink, ao.run_schema(batches[0])) as writer,
-    ):
-        for i, b in enumerate(batches):
-            meta = ao.step_custom_metadata(b)
-            if i == 2:
-                step = json.loads(meta[b"arrow_outputs.step"])
-                step["rows"] = 5
-                meta = {b"arrow_outputs.step": json.dumps(step).encode()}
-            writer.write_batch(b, custom_metadata=meta)
+    write_stream_lying_about_rows(server.root / "tampered.arrows", batches, at=2)
     got = []
     with pytest.raises(ao.CorruptFileError, match=r"^server: run\[tampered\]\..*rows") as info:
         got.extend(client.get("tampered"))
