@@ -226,6 +226,16 @@ done:
 static int
 utf8_of(PyObject *str, const char **s, Py_ssize_t *len)
 {
+    /* An ASCII str's characters are its UTF-8 form, stored inline: no call, no cache. */
+#if PY_VERSION_HEX < 0x030C0000
+    if (PyUnicode_IS_READY(str) && PyUnicode_IS_COMPACT_ASCII(str)) {
+#else
+    if (PyUnicode_IS_COMPACT_ASCII(str)) {
+#endif
+        *s = (const char *)PyUnicode_DATA(str);
+        *len = PyUnicode_GET_LENGTH(str);
+        return 1;
+    }
     *s = PyUnicode_AsUTF8AndSize(str, len);
     if (*s == NULL) {
         if (PyErr_ExceptionMatches(PyExc_UnicodeEncodeError)) {

@@ -27,7 +27,7 @@ from ._checks import arange_offsets, describe
 from ._stepmeta import shared_layout
 from ._torch import host_numpy
 from .batch import _refuse_unknown_fields, encode_step, to_record_batch
-from .device import Staged, StagingPool
+from .device import Staged, StagingPool, _torch
 from .errors import (
     ConsistencyError,
     DTypeError,
@@ -62,8 +62,7 @@ def default_pool() -> StagingPool:
 
 
 def _tensor(x: Any, field: str) -> Any:
-    import torch
-
+    torch = _torch()
     if isinstance(x, torch.Tensor):
         return x
     if isinstance(x, np.ndarray):
@@ -118,36 +117,43 @@ class AsyncArrowOutput(AsyncModelRunnerOutput):
                 f"shape {tuple(counts.shape)}",
             )
         tensors = [sampled, counts]
-        self._slots: dict[str, int] = {"sampled": 0, "counts": 1}
-        # Host tensors used where they are, as vLLM's to_cpu_nonblocking() leaves them.
-        self._in_place: dict[str, Any] = {}
-
-        def add(name: str, t: Any, *, always: bool = False) -> None:
-            if t.is_cpu and not (always or copy_host):
-                self._in_place[name] = t
-                return
-            self._slots[name] = len(tensors)
-            tensors.append(t)
-
+        slots = self._slots = {"sampled": 0, "counts": 1}
+        # Host tensors used where they are, as vLLM's to_cpu_nonblocking() leaves them; the
+        # rest staged (at slots[name] in the slab).
+        in_place: dict[str, Any] = {}
+        self._in_place = in_place
+        named: list[tuple[str, Any]] = []
         num_nans = getattr(sampler_output, "num_nans", None)
         if num_nans is not None:
             # vLLM copies these (copy=True) whatever their device: the runner reuses them.
-            add("num_nans", _tensor(num_nans, "sampler_output.num_nans"), always=True)
+            slots["num_nans"] = len(tensors)
+            tensors.append(_tensor(num_nans, "sampler_output.num_nans"))
         lp = getattr(sampler_output, "logprobs_tensors", None)
         self._lp_cu = None
         if lp is not None:
-            add("lp_ids", lp.logprob_token_ids)
-            add("lp_values", lp.logprobs)
-            add("lp_ranks", lp.selected_token_ranks)
-            if getattr(lp, "cu_num_generated_tokens_tensor", None) is not None:
-                add("lp_cu", lp.cu_num_generated_tokens_tensor)
+            named += (
+                ("lp_ids", lp.logprob_token_ids),
+                ("lp_values", lp.logprobs),
+                ("lp_ranks", lp.selected_token_ranks),
+            )
+            cu = getattr(lp, "cu_num_generated_tokens_tensor", None)
+            if cu is not None:
+                named.append(("lp_cu", cu))
             self._lp_cu = lp.cu_num_generated_tokens
         masks = getattr(sampler_output, "sampling_mask_tensors", None)
         self._masks = masks
         if masks is not None:
-            add("mask_ids", masks.token_ids)
-            add("mask_bits", masks.packed_mask)
-            add("mask_counts", masks.counts)
+            named += (
+                ("mask_ids", masks.token_ids),
+                ("mask_bits", masks.packed_mask),
+                ("mask_counts", masks.counts),
+            )
+        for name, t in named:
+            if t.is_cpu and not copy_host:
+                in_place[name] = t
+            else:
+                slots[name] = len(tensors)
+                tensors.append(t)
         self._staged: Staged = (pool or default_pool()).stage(
             tensors, stream=copy_stream, main_stream=main_stream
         )
@@ -413,17 +419,15 @@ def _sampled_column(padded: np.ndarray, counts: np.ndarray, list_type: pa.DataTy
     return _column((n, 0, (None, offsets), ((values.size, 0, (None, values), ()),)), list_type)
 
 
-@lru_cache(maxsize=64)
-def _uniform_counts(n: int, k: int, dtype: str) -> bytes:
-    return np.full(n, k, dtype=dtype).tobytes()
-
-
 def _count_range(counts: np.ndarray) -> tuple[int, int]:
     """The smallest and largest count (of at least one). A step whose counts all equal the
-    first, as every decode step's do, is recognised by one comparison of bytes with a cached
-    pattern: a few times cheaper than the two reductions, which the other steps take."""
-    first = int(counts[0])
-    if counts.tobytes() == _uniform_counts(len(counts), first, counts.dtype.str):
+    first, as every decode step's do, is recognised by one comparison of its bytes with the
+    first count's repeated: a few times cheaper than the two reductions, which the other
+    steps take."""
+    raw = counts.tobytes()
+    size = counts.itemsize
+    if raw == raw[:size] * len(counts):
+        first = int(counts[0])
         return first, first
     # The ufuncs' reduce: ndarray.min/max add a Python-level wrapper each.
     return int(_MIN(counts)), int(_MAX(counts))

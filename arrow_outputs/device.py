@@ -15,6 +15,7 @@ torch is imported only when a tensor is made or read (``import arrow_outputs`` s
 
 from __future__ import annotations
 
+import ctypes
 import math
 import threading
 from collections.abc import Sequence
@@ -32,6 +33,7 @@ __all__ = ["PoolStats", "Staged", "StagingPool", "buffer_to_tensor", "tensor_to_
 
 # Element types whose bits cross DLPack as another type: pyarrow and older numpy reject them.
 _BIT_VIEWS = {"bfloat16": "uint16", "bool": "uint8"}
+_memmove = ctypes.memmove
 _ALIGN = 64  # every staged region starts on a cache line (and a 64-byte Arrow alignment)
 
 
@@ -293,12 +295,14 @@ class StagingPool:
         tensor_type = torch.Tensor
         items = list(tensors)
         specs: list[tuple[int, str, tuple[int, ...]]] = []
+        sizes: list[int] = []
         total = staged_bytes = 0
         on_cuda = False
         for i, t in enumerate(items):
             if not isinstance(t, tensor_type):
                 raise FieldTypeError(f"tensors[{i}]", "a torch tensor", describe(t))
             nbytes = t.nbytes
+            sizes.append(nbytes)
             specs.append((total, _dtype_name(t.dtype), tuple(t.shape)))
             staged_bytes += nbytes
             total += -(-nbytes // _ALIGN) * _ALIGN
@@ -318,17 +322,20 @@ class StagingPool:
                 event = torch.cuda.Event()
                 event.record(side)
         else:
-            for t, (off, dtype, _) in zip(items, specs):
-                src = _host_bytes(t, dtype) if t.is_cpu else None
-                if src is None:
-                    _region(slab.tensor, off, t).copy_(t)
+            base = slab.address
+            for t, (off, _, _), nbytes in zip(items, specs, sizes):
+                if t.is_cpu and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
+                    # The bytes as they lie (any dtype, bfloat16 and bool too): one memmove
+                    # into the region sized for them above, a few times cheaper than numpy's
+                    # or torch's copy for a step's small tensors.
+                    if nbytes:
+                        _memmove(base + off, t.data_ptr(), nbytes)
                 else:
-                    # A host-to-host copy through numpy: a few times cheaper than torch's
-                    # view-and-copy_ chain for the small tensors of a step.
-                    slab.array[off : off + src.size] = src
+                    # Strided, lazily conjugated or negated: torch reads them as they mean.
+                    _region(slab.tensor, off, t).copy_(t)
         with self._lock:
             self._bytes += staged_bytes
-        return Staged(lease, specs, event, total)
+        return Staged(lease, specs, event, total, sizes)
 
 
 _DTYPE_NAMES: dict[Any, str] = {}
@@ -340,22 +347,6 @@ def _dtype_name(dtype: Any) -> str:
     if name is None:
         name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
     return name
-
-
-def _host_bytes(t: Any, dtype: str) -> np.ndarray | None:
-    """A host tensor's bytes as a flat uint8 numpy array (a view when contiguous), or None
-    where ``Tensor.numpy()`` refuses (autograd, a lazy conjugate or negation, a dtype numpy
-    lacks): torch copies those itself."""
-    if dtype in _BIT_VIEWS:
-        if not t.is_contiguous():
-            return None
-        t = t.view(getattr(_torch(), _BIT_VIEWS[dtype]))
-    try:
-        a = t.numpy()
-    except (RuntimeError, TypeError):
-        return None
-    # ravel: a view when contiguous, else a copy in row-major order (the slab's bytes).
-    return a.ravel().view(np.uint8)
 
 
 def _region(slab: Any, offset: int, like: Any) -> Any:
@@ -377,11 +368,16 @@ class Staged:
         specs: list[tuple[int, str, tuple[int, ...]]],
         event: Any,
         nbytes: int = 0,
+        sizes: list[int] | None = None,
     ):
         self._lease = lease
         self._specs = specs
         self._event = event
         self._nbytes = nbytes
+        # Each tensor's byte count (as staged), so that arrays() slices without arithmetic.
+        self._sizes = sizes if sizes is not None else [
+            math.prod(shape) * _itemsize(dtype) for _, dtype, shape in specs
+        ]
 
     def __len__(self) -> int:
         return len(self._specs)
@@ -427,12 +423,10 @@ class Staged:
             pa.foreign_buffer(self._lease._slab.address, self._nbytes, base=self._lease),
             dtype=np.uint8,
         )
-        out = []
-        for off, dtype, shape in self._specs:
-            view = _view_dtype(dtype)
-            nbytes = math.prod(shape) * view.itemsize
-            out.append(whole[off : off + nbytes].view(view).reshape(shape))
-        return out
+        return [
+            whole[off : off + nbytes].view(_view_dtype(dtype)).reshape(shape)
+            for (off, dtype, shape), nbytes in zip(self._specs, self._sizes)
+        ]
 
     def tensor(self, i: int) -> Any:
         """Tensor ``i`` as a host tensor over the slab, its dtype restored."""

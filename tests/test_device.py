@@ -188,8 +188,9 @@ def test_staging_pool_picks_among_free_slabs_of_different_sizes() -> None:
 
 
 def test_staging_pool_copies_every_host_layout_exactly() -> None:
-    # Host tensors are copied through numpy where it can view them; the rest (bfloat16 views
-    # that are strided, autograd, lazy conjugates) through torch. Every one lands row-major.
+    # Contiguous host tensors are copied byte for byte (bool, bfloat16 and autograd ones too);
+    # the rest (strided views, lazy conjugates and negations, whose bytes are not their values)
+    # through torch. Every one lands row-major, as its values.
     tensors = [
         torch.arange(12).reshape(3, 4).T,
         torch.tensor([True, False, True]),
@@ -197,13 +198,14 @@ def test_staging_pool_copies_every_host_layout_exactly() -> None:
         torch.randn(3, requires_grad=True),
         torch.randn(9)[::2],
         torch.tensor([1 + 2j, 3 - 1j]).conj(),
+        torch._neg_view(torch.arange(3.0)),  # contiguous, but its bytes are the negation's input
         torch.tensor(5, dtype=torch.int16),
         torch.zeros(0, 3),
     ]
     staged = StagingPool().stage(tensors)
     arrays = staged.arrays()
     for i, t in enumerate(tensors):
-        want = t.detach().resolve_conj()
+        want = t.detach().resolve_conj().resolve_neg()
         got = staged.tensor(i)
         assert got.dtype == t.dtype
         assert torch.equal(got, want)
