@@ -279,7 +279,7 @@ def _req_index(n: int) -> pa.Array:
 def _req_index_node(n: int) -> Any:
     values = np.arange(n, dtype=np.int32)
     values.flags.writeable = False  # shared by every batch of n rows
-    return (n, 0, (None, memoryview(values)), ())  # a memoryview: cheaper to assemble
+    return (n, 0, (None, values.data), ())  # its memoryview: cheaper to assemble
 
 
 @lru_cache(maxsize=64)

@@ -367,17 +367,14 @@ class Staged:
         lease: _Lease,
         specs: list[tuple[int, str, tuple[int, ...]]],
         event: Any,
-        nbytes: int = 0,
-        sizes: list[int] | None = None,
+        nbytes: int,
+        sizes: list[int],
     ):
         self._lease = lease
         self._specs = specs
         self._event = event
         self._nbytes = nbytes
-        # Each tensor's byte count (as staged), so that arrays() slices without arithmetic.
-        self._sizes = sizes if sizes is not None else [
-            math.prod(shape) * _itemsize(dtype) for _, dtype, shape in specs
-        ]
+        self._sizes = sizes  # each tensor's byte count, as staged: arrays() slices by them
 
     def __len__(self) -> int:
         return len(self._specs)
