@@ -1413,6 +1413,23 @@ array_capsule_destructor(PyObject *capsule)
     block_decref(block);
 }
 
+/* (capsule, address of ptr): the pair build_array and array_slot return. Takes the caller's
+ * reference to `capsule`, whose destructor frees what ptr points to on every path. */
+static PyObject *
+capsule_and_address(PyObject *capsule, void *ptr)
+{
+    PyObject *address, *result;
+    address = PyLong_FromVoidPtr(ptr);
+    if (address == NULL) {
+        Py_DECREF(capsule);
+        return NULL;
+    }
+    result = PyTuple_Pack(2, capsule, address);
+    Py_DECREF(capsule);
+    Py_DECREF(address);
+    return result;
+}
+
 static PyObject *
 build_array(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
@@ -1420,7 +1437,7 @@ build_array(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs
     TreeFill f;
     size_t bytes;
     char *mem;
-    PyObject *capsule, *address, *result;
+    PyObject *capsule;
 
     if (!check_nargs("build_array", nargs, 1) || !tree_measure(args[0], 0, &sz)) {
         return NULL;
@@ -1463,15 +1480,7 @@ build_array(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs
         block_decref(f.block);
         return NULL;
     }
-    address = PyLong_FromVoidPtr(&f.arrays[0]);
-    if (address == NULL) {
-        Py_DECREF(capsule);
-        return NULL;
-    }
-    result = PyTuple_Pack(2, capsule, address);
-    Py_DECREF(capsule);
-    Py_DECREF(address);
-    return result;
+    return capsule_and_address(capsule, &f.arrays[0]);
 }
 
 /* ------------------------------------------------------------------ decode: one export
@@ -1581,7 +1590,7 @@ static PyObject *
 array_slot(PyObject *Py_UNUSED(module), PyObject *const *Py_UNUSED(args), Py_ssize_t nargs)
 {
     struct ArrowArray *a;
-    PyObject *capsule, *address, *result;
+    PyObject *capsule;
 
     if (!check_nargs("array_slot", nargs, 0)) {
         return NULL;
@@ -1595,15 +1604,7 @@ array_slot(PyObject *Py_UNUSED(module), PyObject *const *Py_UNUSED(args), Py_ssi
         PyMem_Free(a);
         return NULL;
     }
-    address = PyLong_FromVoidPtr(a);
-    if (address == NULL) {
-        Py_DECREF(capsule);
-        return NULL;
-    }
-    result = PyTuple_Pack(2, capsule, address);
-    Py_DECREF(capsule);
-    Py_DECREF(address);
-    return result;
+    return capsule_and_address(capsule, a);
 }
 
 /* A node of the expected shape: not released, no dictionary, offset 0, the buffer and child

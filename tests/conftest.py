@@ -34,6 +34,23 @@ BUILT_IMPLS = [m for m in (_pyspeedups, speedups_c) if m is not None]
 needs_c = pytest.mark.skipif(speedups_c is None, reason="arrow_outputs._speedups not built")
 
 
+def impls_agree(name: str, *args: Any) -> Any:
+    """Call the walk ``name`` on every built implementation: the same result, or the same
+    exception type (raised again here, so a test can expect it)."""
+    outcomes = []
+    for m in BUILT_IMPLS:
+        try:
+            outcomes.append(("ok", getattr(m, name)(*args)))
+        except Exception as e:
+            outcomes.append(("raised", type(e)))
+    for other in outcomes[1:]:
+        assert other == outcomes[0], f"{name}: {BUILT_IMPLS[0].__name__} {outcomes[0]} vs {other}"
+    kind, value = outcomes[0]
+    if kind == "raised":
+        raise value("(raised alike by every implementation)")
+    return value
+
+
 @contextmanager
 def codec_on(path: str) -> Iterator[None]:
     """The codec on ``path`` ("c" or "python") inside the block, the previous path after."""

@@ -153,6 +153,18 @@ def _both_paths(batch: pa.RecordBatch, meta: Any, validate: bool) -> tuple[Any, 
     return _outcome(call), _on_pure(lambda: _outcome(call))
 
 
+def _same_outcome(batch: pa.RecordBatch, meta: Any, validate: bool, label: Any) -> Any:
+    """The C path's outcome, asserted equal to the pure path's: the same error (type and
+    text) or an equal output."""
+    c, py = _both_paths(batch, meta, validate)
+    assert c[0] == py[0], label
+    if c[0] == "error":
+        assert c[1] == py[1], label
+    else:
+        ao.assert_outputs_equal(c[1], py[1])
+    return c
+
+
 def _ipc(batch: pa.RecordBatch) -> tuple[pa.RecordBatch, Any, pa.Buffer]:
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, ao.run_schema(batch)) as writer:
@@ -332,12 +344,7 @@ def _hostile_batches() -> Iterator[tuple[str, pa.RecordBatch, Any]]:
 def test_decode_batch_hostile_batches_give_the_pure_paths_outcome(validate: bool) -> None:
     seen = 0
     for name, batch, meta in _hostile_batches():
-        c, py = _both_paths(batch, meta, validate)
-        assert c[0] == py[0], name
-        if c[0] == "error":
-            assert c[1] == py[1], name
-        else:
-            ao.assert_outputs_equal(c[1], py[1])
+        c = _same_outcome(batch, meta, validate, name)
         if validate:
             assert c[0] == "error", name  # full validation or the format refuses each
             assert issubclass(c[1][0], ao.ArrowOutputsError), name
@@ -367,12 +374,7 @@ def test_decode_batch_mutated_ipc_never_crashes_and_matches_the_pure_path() -> N
                     read.validate()
                 except pa.ArrowInvalid:
                     continue  # without validation the pure path trusts sizes: not comparable
-            c, py = _both_paths(read, meta, validate)
-            assert c[0] == py[0], trial
-            if c[0] == "error":
-                assert c[1] == py[1], trial
-            else:
-                ao.assert_outputs_equal(c[1], py[1])
+            c = _same_outcome(read, meta, validate, trial)
             outcomes.append(c[0])
     # Enough mutations reach the decoders, and both ways out are exercised.
     assert len(outcomes) >= 100

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from conftest import BUILT_IMPLS as BOTH
 from conftest import SPEEDUP_IMPLS as IMPLS
-from conftest import needs_c
+from conftest import impls_agree, needs_c
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -35,18 +35,7 @@ def impl(request: pytest.FixtureRequest) -> Any:
 def agree(*args: Any) -> Any:
     """``mask_supports(*args)`` on every implementation: the same answer, or the same
     exception type."""
-    outcomes = []
-    for m in BOTH:
-        try:
-            outcomes.append(("ok", m.mask_supports(*args)))
-        except Exception as e:
-            outcomes.append(("raised", type(e)))
-    for other in outcomes[1:]:
-        assert other == outcomes[0], f"python {outcomes[0]} vs C {other}"
-    kind, value = outcomes[0]
-    if kind == "raised":
-        raise value("(raised alike by every implementation)")
-    return value
+    return impls_agree("mask_supports", *args)
 
 
 def loop_reference(tok, packed, counts, vocab, rpr, ns):

@@ -22,6 +22,7 @@ import pyarrow as pa
 import pytest
 from conftest import BUILT_IMPLS as BOTH
 from conftest import SPEEDUP_IMPLS as IMPLS
+from conftest import impls_agree as agree
 from conftest import speedups_c as _speedups
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -50,22 +51,6 @@ I64 = (-(2**63), 2**63 - 1)
 @pytest.fixture(params=IMPLS)
 def impl(request: pytest.FixtureRequest) -> Any:
     return request.param
-
-
-def agree(name: str, *args: Any) -> Any:
-    """Call ``name`` on every implementation: same result (or same exception type)."""
-    outcomes = []
-    for m in BOTH:
-        try:
-            outcomes.append(("ok", getattr(m, name)(*args)))
-        except Exception as e:
-            outcomes.append(("raised", type(e)))
-    for other in outcomes[1:]:
-        assert other == outcomes[0], f"{name}: {BOTH[0].__name__} {outcomes[0]} vs {other}"
-    kind, value = outcomes[0]
-    if kind == "raised":
-        raise value("(raised alike by every implementation)")
-    return value
 
 
 def i32(b: bytes) -> list[int]:
