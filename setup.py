@@ -16,7 +16,7 @@ setup(
             "arrow_outputs._speedups",
             ["arrow_outputs/_speedups.c"],
             optional=os.environ.get("ARROW_OUTPUTS_REQUIRE_SPEEDUPS") != "1",
-            extra_compile_args=["-Wall", "-Wextra", "-O2"],
+            extra_compile_args=["-Wall", "-Wextra", "-O3"],
         )
     ]
 )

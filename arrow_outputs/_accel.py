@@ -38,6 +38,7 @@ from arrow_outputs.errors import UnsupportedValueError
 __all__ = [
     "AVAILABLE",
     "accelerated",
+    "copy_from_address",
     "decode_batch",
     "flatten_int_lists",
     "index_in_order",
@@ -78,6 +79,7 @@ mask_rows = _pyspeedups.mask_rows
 mask_supports = _pyspeedups.mask_supports
 int_offsets = _pyspeedups.int_offsets
 same_items = _pyspeedups.same_items
+copy_from_address = _pyspeedups.copy_from_address
 record_batch = _pyspeedups.record_batch
 _using_c = False
 
@@ -148,6 +150,7 @@ def set_pure_python(flag: bool) -> None:
     """
     global flatten_int_lists, utf8_array, index_in_order, str_list, split_int_lists, mask_rows
     global int_offsets, same_items, record_batch, _using_c, mask_supports, decode_batch
+    global copy_from_address
     impl = _pyspeedups
     if not flag:
         if _compiled is None:
@@ -167,6 +170,7 @@ def set_pure_python(flag: bool) -> None:
     mask_supports = impl.mask_supports
     int_offsets = impl.int_offsets
     same_items = impl.same_items
+    copy_from_address = impl.copy_from_address
     record_batch = _pyspeedups.record_batch if flag else _c_record_batch
     decode_batch = None if flag else _c_decode_batch
     _using_c = not flag

@@ -23,6 +23,7 @@ Conventions shared by all functions:
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import operator
 import sys
@@ -33,6 +34,7 @@ import pyarrow as pa
 
 __all__ = [
     "array_of",
+    "copy_from_address",
     "flatten_int_lists",
     "index_in_order",
     "int_offsets",
@@ -170,6 +172,59 @@ def utf8_array(strs: Any, /) -> tuple[bytes, bytes] | None:
     ascii_only = len(data) == total_chars
     lengths = chars if ascii_only else [len(s.encode("utf-8")) for s in strs]
     return _int32_offsets(lengths, len(strs)), data
+
+
+def copy_from_address(dst: Any, offset: Any, address: Any, nbytes: Any, /) -> bool:
+    """Copy ``nbytes`` bytes from the raw host ``address`` into ``dst`` at ``offset``.
+
+    The staging pool's copy of a contiguous CPU tensor (``address`` its ``data_ptr()``) into
+    its slab. The source is the caller's to vouch for, as with ``ctypes.memmove``; the
+    destination is checked.
+
+    Returns
+    -------
+    bool
+        True once copied; False, with nothing written, when ``dst`` is not a writable
+        C-contiguous buffer, the range ``offset .. offset + nbytes`` does not lie inside it,
+        or ``nbytes`` is positive and ``address`` is 0. ``address`` must be an integer within
+        ``0 .. 2**64 - 1`` (``OverflowError`` otherwise, as in C).
+
+    Examples
+    --------
+    >>> src, dst = np.arange(4, dtype=np.uint8), bytearray(6)
+    >>> copy_from_address(dst, 1, src.ctypes.data, 4), dst
+    (True, bytearray(b'\\x00\\x00\\x01\\x02\\x03\\x00'))
+    >>> copy_from_address(bytes(6), 0, src.ctypes.data, 4)
+    False
+    """
+    offset = _ssize(offset)
+    address = operator.index(address)
+    if not 0 <= address < 2**64:
+        raise OverflowError("address out of range")
+    nbytes = _ssize(nbytes)
+    if address >= 1 << (8 * ctypes.sizeof(ctypes.c_void_p)):
+        return False
+    try:
+        view = memoryview(dst)
+    except TypeError:
+        return False
+    try:
+        if (
+            view.readonly
+            or not view.c_contiguous
+            or offset < 0
+            or nbytes < 0
+            or offset > view.nbytes - nbytes
+            or (nbytes > 0 and address == 0)
+        ):
+            return False
+        if nbytes > 0:
+            target = np.frombuffer(view.cast("B"), np.uint8)
+            ctypes.memmove(target.ctypes.data + offset, address, nbytes)
+            del target  # its export of the view ends before the view is released
+        return True
+    finally:
+        view.release()
 
 
 def index_in_order(req_ids: Any, index: Any, /) -> bool:

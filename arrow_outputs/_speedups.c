@@ -35,6 +35,14 @@
 
 #define OFFSET_MAX ((Py_ssize_t)INT32_MAX) /* Arrow's int32 offsets */
 
+/* For the few helpers called once per row of a hot loop, where gcc's heuristics leave a call
+ * (and its spills) that costs as much as the helper's work. */
+#if defined(__GNUC__)
+#define AO_ALWAYS_INLINE inline __attribute__((always_inline))
+#else
+#define AO_ALWAYS_INLINE inline
+#endif
+
 static int
 check_nargs(const char *name, Py_ssize_t nargs, Py_ssize_t expected)
 {
@@ -381,6 +389,57 @@ index_in_order_generic(PyObject *req_ids, PyObject *index)
         return NULL;
     }
     return Py_NewRef(truth ? Py_True : Py_False);
+}
+
+/* copy_from_address(dst, offset, address, nbytes) -> bool
+ *
+ * memmove of nbytes bytes from the raw host address into the writable buffer dst at
+ * offset: the staging pool's copy of a contiguous CPU tensor (address its data_ptr()) into
+ * its slab, a tenth of the cost of ctypes.memmove's foreign call. The source is the caller's
+ * to vouch for, as with ctypes; the destination is checked: False, with nothing written,
+ * when dst is not a writable contiguous buffer or the range does not lie inside it. */
+static PyObject *
+copy_from_address(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer view;
+    Py_ssize_t offset, nbytes;
+    unsigned long long address;
+    PyObject *index;
+    int ok;
+
+    if (!check_nargs("copy_from_address", nargs, 4) || !ssize_arg(args[1], &offset)) {
+        return NULL;
+    }
+    index = PyNumber_Index(args[2]);
+    if (index == NULL) {
+        return NULL;
+    }
+    address = PyLong_AsUnsignedLongLong(index); /* OverflowError below 0 or past 64 bits */
+    Py_DECREF(index);
+    if (address == (unsigned long long)-1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (!ssize_arg(args[3], &nbytes)) {
+        return NULL;
+    }
+    if (address > (unsigned long long)UINTPTR_MAX) {
+        Py_RETURN_FALSE;
+    }
+    /* The buffer memoryview() asks for, so exporters fail alike on both paths. */
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_FULL_RO) < 0) {
+        if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+            PyErr_Clear();
+            Py_RETURN_FALSE;
+        }
+        return NULL;
+    }
+    ok = !view.readonly && PyBuffer_IsContiguous(&view, 'C') && offset >= 0 && nbytes >= 0 &&
+         offset <= view.len - nbytes && (nbytes == 0 || (address != 0 && view.buf != NULL));
+    if (ok && nbytes > 0) {
+        memmove((char *)view.buf + offset, (const void *)(uintptr_t)address, (size_t)nbytes);
+    }
+    PyBuffer_Release(&view);
+    return Py_NewRef(ok ? Py_True : Py_False);
 }
 
 /* index_in_order(req_ids, index) -> bool
@@ -881,7 +940,7 @@ typedef struct {
 /* Writes kept row r's support to dst, which takes `left` ids (plus MASK_SLACK spare ones),
  * and returns its count; -1 when the count is negative or past `left`, or (a wide row) its
  * bitmask row does not hold exactly that many ids. */
-static inline Py_ssize_t
+static AO_ALWAYS_INLINE Py_ssize_t
 mask_row(const MaskRows *m, Py_ssize_t r, char *dst, Py_ssize_t left)
 {
     Py_ssize_t n = load_i32(m->counts, r);
@@ -2319,6 +2378,9 @@ static PyMethodDef speedups_methods[] = {
     {"index_in_order", (PyCFunction)(void (*)(void))index_in_order, METH_FASTCALL,
      "index_in_order(req_ids, index, /)\n--\n\n"
      "Whether index maps req_ids[i] to i in order (see _pyspeedups)."},
+    {"copy_from_address", (PyCFunction)(void (*)(void))copy_from_address, METH_FASTCALL,
+     "copy_from_address(dst, offset, address, nbytes, /)\n--\n\n"
+     "Copy nbytes from a raw host address into a writable buffer (see _pyspeedups)."},
     {"str_list", (PyCFunction)(void (*)(void))str_list, METH_FASTCALL,
      "str_list(offsets, data, offset, n, /)\n--\n\n"
      "The strs of an Arrow string array's buffers, or None (see _pyspeedups)."},

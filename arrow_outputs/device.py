@@ -15,7 +15,6 @@ torch is imported only when a tensor is made or read (``import arrow_outputs`` s
 
 from __future__ import annotations
 
-import ctypes
 import math
 import threading
 from collections.abc import Sequence
@@ -25,6 +24,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from . import _accel
 from ._checks import describe
 from ._torch import is_tensor, tensor_dtype_name
 from .errors import FieldTypeError, UnsupportedValueError
@@ -33,14 +33,19 @@ __all__ = ["PoolStats", "Staged", "StagingPool", "buffer_to_tensor", "tensor_to_
 
 # Element types whose bits cross DLPack as another type: pyarrow and older numpy reject them.
 _BIT_VIEWS = {"bfloat16": "uint16", "bool": "uint8"}
-_memmove = ctypes.memmove
 _ALIGN = 64  # every staged region starts on a cache line (and a 64-byte Arrow alignment)
 
 
-def _torch() -> Any:
-    import torch
+_TORCH: list[Any] = []  # the torch module, once imported (an import statement per call
+# costs as much as a tensor attribute read)
 
-    return torch
+
+def _torch() -> Any:
+    if not _TORCH:
+        import torch
+
+        _TORCH.append(torch)
+    return _TORCH[0]
 
 
 def tensor_to_buffer(t: Any, field: str = "tensor") -> tuple[pa.Buffer, str]:
@@ -322,20 +327,22 @@ class StagingPool:
                 event = torch.cuda.Event()
                 event.record(side)
         else:
-            base = slab.address
+            dst = slab.array
             for t, (off, _, _), nbytes in zip(items, specs, sizes):
-                if t.is_cpu and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
-                    # The bytes as they lie (any dtype, bfloat16 and bool too): one memmove
-                    # into the region sized for them above, a few times cheaper than numpy's
-                    # or torch's copy for a step's small tensors.
-                    if nbytes:
-                        _memmove(base + off, t.data_ptr(), nbytes)
-                else:
-                    # Strided, lazily conjugated or negated: torch reads them as they mean.
+                # The bytes as they lie (any dtype, bfloat16 and bool too): one memmove into
+                # the region sized for them above, a few times cheaper than numpy's or torch's
+                # copy for a step's small tensors. Strided, lazily conjugated or negated
+                # tensors are not their bytes: torch reads them as they mean.
+                if not (
+                    t.is_cpu
+                    and t.is_contiguous()
+                    and not (t.is_conj() or t.is_neg())
+                    and _accel.copy_from_address(dst, off, t.data_ptr(), nbytes)
+                ):
                     _region(slab.tensor, off, t).copy_(t)
         with self._lock:
             self._bytes += staged_bytes
-        return Staged(lease, specs, event, total, sizes)
+        return Staged(lease, specs, event, total)
 
 
 _DTYPE_NAMES: dict[Any, str] = {}
@@ -368,13 +375,11 @@ class Staged:
         specs: list[tuple[int, str, tuple[int, ...]]],
         event: Any,
         nbytes: int,
-        sizes: list[int],
     ):
         self._lease = lease
         self._specs = specs
         self._event = event
         self._nbytes = nbytes
-        self._sizes = sizes  # each tensor's byte count, as staged: arrays() slices by them
 
     def __len__(self) -> int:
         return len(self._specs)
@@ -416,13 +421,14 @@ class Staged:
         >>> ids.tolist(), ones.shape
         ([0, 1, 2], (2, 2))
         """
-        whole = np.frombuffer(
-            pa.foreign_buffer(self._lease._slab.address, self._nbytes, base=self._lease),
-            dtype=np.uint8,
+        # Each array made straight over its region of one memoryview (the ndarray constructor
+        # checks that the region lies inside it): half the cost of slicing, viewing and
+        # reshaping one uint8 array.
+        whole = memoryview(
+            pa.foreign_buffer(self._lease._slab.address, self._nbytes, base=self._lease)
         )
         return [
-            whole[off : off + nbytes].view(_view_dtype(dtype)).reshape(shape)
-            for (off, dtype, shape), nbytes in zip(self._specs, self._sizes)
+            np.ndarray(shape, _view_dtype(dtype), whole, off) for off, dtype, shape in self._specs
         ]
 
     def tensor(self, i: int) -> Any:

@@ -40,6 +40,7 @@ FUNCS = (
     "mask_supports",
     "int_offsets",
     "same_items",
+    "copy_from_address",
 )
 # The whole-batch assembly: node helpers and the batch (pure Python), build_array (C); their
 # tests are in test_speed_assembly.py.
@@ -533,6 +534,89 @@ def test_index_in_order_survives_mutation_in_eq(impl, action, where):
     r2, i2 = case()
     assert impl.index_in_order(r1, i1) is expr(r2, i2)
     assert (len(r1), len(i1)) == (len(r2), len(i2))  # the same mutations happened
+
+
+# ----------------------------------------------------------------------------- copy_from_address
+
+
+SRC = np.arange(1, 33, dtype=np.uint8)  # the source bytes: 1 .. 32
+
+
+def test_copy_from_address_copies_the_bytes_into_the_region(impl):
+    dst = np.zeros(48, np.uint8)
+    assert impl.copy_from_address(dst, 5, SRC.ctypes.data + 2, 20) is True
+    want = np.zeros(48, np.uint8)
+    want[5:25] = SRC[2:22]
+    assert dst.tolist() == want.tolist()
+
+
+def test_copy_from_address_writes_any_contiguous_writable_buffer(impl):
+    # A 2-D int32 array (offsets are in bytes), and a bytearray.
+    grid = np.zeros((2, 4), np.int32)
+    assert impl.copy_from_address(grid, 8, SRC.ctypes.data, 8) is True
+    assert grid.reshape(-1).view(np.uint8)[8:16].tolist() == SRC[:8].tolist()
+    raw = bytearray(4)
+    assert impl.copy_from_address(raw, 0, SRC.ctypes.data, 4) is True
+    assert raw == bytes(SRC[:4])
+
+
+def test_copy_from_address_the_whole_buffer_and_empty_copies(impl):
+    dst = np.zeros(8, np.uint8)
+    assert impl.copy_from_address(dst, 0, SRC.ctypes.data, 8) is True
+    assert dst.tolist() == SRC[:8].tolist()
+    # Nothing to copy: any place inside, even the end, and no address needed.
+    assert impl.copy_from_address(dst, 8, 0, 0) is True
+    assert impl.copy_from_address(bytearray(), 0, 0, 0) is True
+
+
+@pytest.mark.parametrize(
+    ("dst", "offset", "nbytes"),
+    [
+        (bytes(16), 0, 4),  # read-only
+        (np.zeros(16, np.uint8)[::2], 0, 4),  # not contiguous
+        ([0] * 16, 0, 4),  # no buffer protocol
+        (np.zeros(16, np.uint8), 13, 4),  # past the end
+        (np.zeros(16, np.uint8), 17, 0),  # starts past the end
+        (np.zeros(16, np.uint8), -1, 4),
+        (np.zeros(16, np.uint8), 0, -1),
+        (np.zeros(16, np.uint8), 2**62, 2**62),  # offset + nbytes would overflow
+    ],
+)
+def test_copy_from_address_refuses_and_writes_nothing(impl, dst, offset, nbytes):
+    before = bytes(memoryview(dst).tobytes()) if not isinstance(dst, list) else None
+    assert impl.copy_from_address(dst, offset, SRC.ctypes.data, nbytes) is False
+    if before is not None:
+        assert memoryview(dst).tobytes() == before
+
+
+def test_copy_from_address_null_source_refused(impl):
+    dst = np.zeros(8, np.uint8)
+    assert impl.copy_from_address(dst, 0, 0, 4) is False
+    assert not dst.any()
+
+
+@pytest.mark.parametrize(
+    ("offset", "address", "nbytes", "exc"),
+    [
+        ("0", 0, 0, TypeError),
+        (0, 1.5, 0, TypeError),
+        (0, 0, None, TypeError),
+        (2**63, 0, 0, OverflowError),
+        (0, -1, 0, OverflowError),
+        (0, 2**64, 0, OverflowError),
+        (0, 0, -(2**63) - 1, OverflowError),
+    ],
+)
+def test_copy_from_address_bad_integer_arguments_raise_alike(offset, address, nbytes, exc):
+    with pytest.raises(exc):
+        agree("copy_from_address", bytearray(8), offset, address, nbytes)
+
+
+def test_copy_from_address_index_objects_accepted(impl):
+    dst = np.zeros(8, np.uint8)
+    got = impl.copy_from_address(dst, np.int64(2), np.uint64(SRC.ctypes.data), np.int32(3))
+    assert got is True
+    assert dst.tolist() == [0, 0, 1, 2, 3, 0, 0, 0]
 
 
 # ----------------------------------------------------------------------------- str_list
