@@ -16,8 +16,10 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
+from conftest import codec_on
 
 import arrow_outputs as ao
+from arrow_outputs import _accel
 from arrow_outputs.device import StagingPool, buffer_to_tensor, tensor_to_buffer
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8]
@@ -187,10 +189,14 @@ def test_staging_pool_picks_among_free_slabs_of_different_sizes() -> None:
     assert pool.stats().allocations == 2
 
 
-def test_staging_pool_copies_every_host_layout_exactly() -> None:
-    # Contiguous host tensors are copied byte for byte (bool, bfloat16 and autograd ones too);
-    # the rest (strided views, lazy conjugates and negations, whose bytes are not their values)
-    # through torch. Every one lands row-major, as its values.
+@pytest.mark.parametrize("path", ["c", "python"])
+def test_staging_pool_copies_every_host_layout_exactly(path: str) -> None:
+    # Contiguous host tensors are copied byte for byte (bool, bfloat16 and autograd ones too;
+    # copy_from_address in C, its ctypes twin on the pure path); the rest (strided views, lazy
+    # conjugates and negations, whose bytes are not their values) through torch. Every one
+    # lands row-major, as its values.
+    if path == "c" and not _accel.AVAILABLE:
+        pytest.skip("the C accelerator is not built")
     tensors = [
         torch.arange(12).reshape(3, 4).T,
         torch.tensor([True, False, True]),
@@ -202,7 +208,8 @@ def test_staging_pool_copies_every_host_layout_exactly() -> None:
         torch.tensor(5, dtype=torch.int16),
         torch.zeros(0, 3),
     ]
-    staged = StagingPool().stage(tensors)
+    with codec_on(path):
+        staged = StagingPool().stage(tensors)
     arrays = staged.arrays()
     for i, t in enumerate(tensors):
         want = t.detach().resolve_conj().resolve_neg()
