@@ -19,6 +19,7 @@ import math
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
 import numpy as np
@@ -36,16 +37,11 @@ _BIT_VIEWS = {"bfloat16": "uint16", "bool": "uint8"}
 _ALIGN = 64  # every staged region starts on a cache line (and a 64-byte Arrow alignment)
 
 
-_TORCH: list[Any] = []  # the torch module, once imported (an import statement per call
-# costs as much as a tensor attribute read)
-
-
+@cache  # an import statement per call costs as much as a tensor attribute read
 def _torch() -> Any:
-    if not _TORCH:
-        import torch
+    import torch
 
-        _TORCH.append(torch)
-    return _TORCH[0]
+    return torch
 
 
 def tensor_to_buffer(t: Any, field: str = "tensor") -> tuple[pa.Buffer, str]:

@@ -16,10 +16,9 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
-from conftest import codec_on
+from conftest import codec_on, needs_c
 
 import arrow_outputs as ao
-from arrow_outputs import _accel
 from arrow_outputs.device import StagingPool, buffer_to_tensor, tensor_to_buffer
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8]
@@ -189,14 +188,12 @@ def test_staging_pool_picks_among_free_slabs_of_different_sizes() -> None:
     assert pool.stats().allocations == 2
 
 
-@pytest.mark.parametrize("path", ["c", "python"])
+@pytest.mark.parametrize("path", [pytest.param("c", marks=needs_c), "python"])
 def test_staging_pool_copies_every_host_layout_exactly(path: str) -> None:
     # Contiguous host tensors are copied byte for byte (bool, bfloat16 and autograd ones too;
     # copy_from_address in C, its ctypes twin on the pure path); the rest (strided views, lazy
     # conjugates and negations, whose bytes are not their values) through torch. Every one
     # lands row-major, as its values.
-    if path == "c" and not _accel.AVAILABLE:
-        pytest.skip("the C accelerator is not built")
     tensors = [
         torch.arange(12).reshape(3, 4).T,
         torch.tensor([True, False, True]),

@@ -583,7 +583,7 @@ def test_copy_from_address_the_whole_buffer_and_empty_copies(impl):
     ],
 )
 def test_copy_from_address_refuses_and_writes_nothing(impl, dst, offset, nbytes):
-    before = bytes(memoryview(dst).tobytes()) if not isinstance(dst, list) else None
+    before = None if isinstance(dst, list) else memoryview(dst).tobytes()
     assert impl.copy_from_address(dst, offset, SRC.ctypes.data, nbytes) is False
     if before is not None:
         assert memoryview(dst).tobytes() == before
