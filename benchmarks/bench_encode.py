@@ -12,6 +12,15 @@ pure-Python fallback; switched at run time with ``arrow_outputs._accel.set_pure_
 * decode back to objects: ``arrow_outputs.from_record_batch(batch)`` (``validate=True``,
   the default, and ``validate=False`` as an extra column) against ``pickle.loads``.
 
+* the pyarrow floor ("floor", with the C module): the part of each side that no codec on
+  pyarrow can avoid for this step, timed in the same rounds. Encode: the step's finished
+  buffers (nodes of the batch the encoder made, built outside the timing) imported as a
+  ``RecordBatch`` in one C Data Interface call, with the step metadata attached and the
+  batch released; decode: ``validate(full=True)`` (untrusted batches must be validated) and
+  one export of the batch to read its buffers. ``pickle / floor`` is the best ratio any
+  encoder or decoder that makes or reads this batch could reach on this machine: a target
+  above it cannot be met by more work on the codec.
+
 Neither side's bytes are copied into shared memory here (vLLM's ring buffer copy, an IPC
 write for Arrow): both are left out alike, so the ratios compare the codecs themselves.
 
@@ -299,6 +308,50 @@ def pickle_decode(data: bytes, buffers: list[pickle.PickleBuffer]) -> Any:
     return pickle.loads(data, buffers=buffers)
 
 
+def floor_figures(batches: list[pa.RecordBatch], schema: pa.Schema) -> list[Figure]:
+    """The pyarrow floor of each side (see the module docstring), or none without the C
+    module (its ``build_array`` and ``array_slot`` are the cheapest ways in and out).
+
+    Encode: each batch's own buffers as a ready tree of nodes (built here, untimed) and its
+    step metadata; the timed call attaches the metadata, imports the tree in one call (as
+    the C path's encoder ends) and drops the batch. Decode: full validation and one export.
+    """
+    try:
+        speedups = importlib.import_module("arrow_outputs._speedups")
+        node_of = importlib.import_module("arrow_outputs._pyspeedups").node_of
+    except ImportError:
+        return []
+    build_array, array_slot = speedups.build_array, speedups.array_slot
+    import_from_c = pa.RecordBatch._import_from_c
+    ready = []
+    for b in batches:
+        nodes = tuple(node_of(col) for col in b.columns)
+        if None in nodes:  # not expressible as one tree: no floor for this workload
+            return []
+        ready.append(((b.num_rows, 0, (None,), nodes), b.schema.metadata))
+
+    def encode_floor(tree: Any, meta: Any) -> pa.RecordBatch:
+        capsule, address = build_array(tree)  # the capsule lives until the import took it
+        batch = import_from_c(address, schema.with_metadata(meta))
+        del capsule
+        return batch
+
+    def decode_floor(batch: pa.RecordBatch) -> Any:
+        batch.validate(full=True)
+        capsule, address = array_slot()
+        batch._export_to_c(address)
+        return capsule  # released (with the exported tree) when dropped
+
+    for (tree, meta), b in zip(ready, batches):  # the floor makes the very batch it times
+        if not encode_floor(tree, meta).equals(b):
+            raise RoundTripError("the encode floor's import differs from the encoder's batch")
+    nxt_ready, nxt_batch = itertools.cycle(ready).__next__, itertools.cycle(batches).__next__
+    return [
+        Figure("encode", "floor", lambda: encode_floor(*nxt_ready())),
+        Figure("decode", "floor", lambda: decode_floor(nxt_batch())),
+    ]
+
+
 def ipc_round_trip(batch: pa.RecordBatch) -> tuple[pa.RecordBatch, Any]:
     """The batch through an IPC stream, read back with its step metadata (custom metadata)."""
     sink = pa.BufferOutputStream()
@@ -357,7 +410,7 @@ class Figure:
     """One timed quantity: an operation (encode, decode, ...) on one path."""
 
     op: str  # "encode", "decode", "decode_novalidate"
-    path: str  # "c", "python" or "pickle"
+    path: str  # "c", "python", "pickle" or "floor"
     fn: Callable[[], Any]
     number: int = 1  # calls per sample
     per_call: list[float] = field(default_factory=list)  # ns, one entry per round
@@ -383,7 +436,7 @@ def sample_rounds(figures: list[Figure], accel: Accel, s: Settings) -> int:
     Returns the number of rounds.
     """
     for f in figures:  # warm up: caches, lazy imports, lru_caches keyed by size
-        if f.path != "pickle":
+        if f.path in PATHS:
             accel.use(f.path)
         for _ in range(3):
             f.fn()
@@ -403,7 +456,7 @@ def sample_rounds(figures: list[Figure], accel: Accel, s: Settings) -> int:
         while True:
             shuffle(order)
             for f in order:
-                if f.path != "pickle":  # switched outside timing
+                if f.path in PATHS:  # switched outside timing
                     accel.use(f.path)
                 took = _time_calls(f.fn, f.number)
                 f.per_call.append(took / f.number)
@@ -521,6 +574,7 @@ class Ratio:
 # ----------------------------------------------------------------------------- run
 
 OPS = ("encode", "decode", "decode_novalidate")
+FLOOR_OPS = ("encode", "decode")
 PICKLE_OF = {"encode": "encode", "decode": "decode", "decode_novalidate": "decode"}
 
 
@@ -529,7 +583,7 @@ class Row:
     workload: str
     n: int
     stats: dict[tuple[str, str], Stats]  # (op, path) -> stats; pickle under its own ops
-    ratios: dict[tuple[str, str], Ratio]  # (op, path) -> pickle / arrow
+    ratios: dict[tuple[str, str], Ratio]  # (op, path) -> pickle / arrow (or / the floor)
     rounds: int
     seconds: float
     pickle_bytes: int
@@ -580,6 +634,7 @@ def run_workload(w: Workload, accel: Accel, paths: list[str], s: Settings) -> Ro
         Figure("encode", "pickle", lambda: pickle_encode(nxt_out())),
         Figure("decode", "pickle", lambda: pickle_decode(*nxt_pickle())),
     ]
+    figures += floor_figures(batches, schema)
     with accel.restored():
         rounds = sample_rounds(figures, accel, s)
     by_key = {(f.op, f.path): f for f in figures}
@@ -593,6 +648,13 @@ def run_workload(w: Workload, accel: Accel, paths: list[str], s: Settings) -> Ro
             )
             for op in OPS
             for path in paths
+        }
+        | {
+            (op, "floor"): Ratio.of(
+                by_key[op, "floor"], by_key[op, "pickle"], _target(op, w.n, w.name)
+            )
+            for op in FLOOR_OPS
+            if (op, "floor") in by_key
         },
         rounds=rounds,
         seconds=time.perf_counter() - started,
@@ -662,6 +724,8 @@ def format_table(rows: list[Row]) -> str:
                     _ratio_cell(r.ratios.get(("decode_novalidate", p))) for p in PATHS
                 )
             lines.append(line.rstrip())
+    if any(("encode", "floor") in r.stats for r in rows):
+        lines += _floor_table(rows)
     lines += [
         "",
         "times: us per call, median ±half the interquartile range of the samples (% of the "
@@ -675,6 +739,44 @@ def format_table(rows: list[Row]) -> str:
         "information: no target",
     ]
     return "\n".join(lines)
+
+
+def _floor_table(rows: list[Row]) -> list[str]:
+    """Per side: the floor's time, pickle's, the best ratio it allows (pickle / floor, with
+    the verdict it would get: MISS means no codec on pyarrow can meet that target here),
+    and the floor's share of the C path's time."""
+    head = f"{'workload':<15}{'n':>5}"
+    for op in FLOOR_OPS:
+        head += (
+            f" |{op + ' floor':>{TIME_W}}{'pickle':>{TIME_W}}{'target':>{TARGET_W}}"
+            f"{'best x':>{RATIO_W}}{'':<{VERDICT_W + 1}}{'of C':>6}"
+        )
+    lines = [
+        "",
+        "PYARROW FLOOR: what no codec on pyarrow avoids (encode: one C Data Interface import of",
+        "the step's finished buffers + step metadata + release; decode: validate(full=True) +",
+        "one export); best x = pickle / floor, the most any codec could reach here; of C =",
+        "floor / C path time",
+        head.rstrip(),
+        "-" * len(head),
+    ]
+    for r in rows:
+        line = f"{r.workload:<15}{r.n:>5}"
+        for op in FLOOR_OPS:
+            floor, ours = r.stats.get((op, "floor")), r.stats.get((op, "c"))
+            share = (
+                "n/a"
+                if floor is None or ours is None
+                else f"{floor.median_ns / ours.median_ns:.0%}"
+            )
+            line += (
+                f" |{_time_cell(floor)}{_time_cell(r.stats.get((op, 'pickle')))}"
+                f"{_target_cell(op, r.n, r.workload)}"
+                f"{_ratio_cell(r.ratios.get((op, 'floor')))}"
+                f"{_verdict_cell(r.ratios.get((op, 'floor')))}{share:>6}"
+            )
+        lines.append(line.rstrip())
+    return lines
 
 
 def summary(rows: list[Row], paths: list[str]) -> str:
@@ -692,6 +794,17 @@ def summary(rows: list[Row], paths: list[str]) -> str:
         out.append(
             f"{PATH_LABELS[path]} path: {passed}/{len(verdicts)} targets met"
             f" ({close} too close to call)"
+        )
+    beyond = [
+        f"{op} {r.workload} n={r.n}"
+        for r in rows
+        for op in FLOOR_OPS
+        if (op, "floor") in r.ratios and r.ratios[op, "floor"].passed is False
+    ]
+    if beyond:
+        out.append(
+            f"targets beyond the pyarrow floor (no codec on pyarrow meets them here): "
+            f"{len(beyond)}: {', '.join(beyond)}"
         )
     return "\n".join(out)
 
@@ -764,6 +877,13 @@ def results_json(
                         "ratio_pickle_over_arrow": {p: ratio(op, p) for p in PATHS},
                     }
                     for op in OPS
+                },
+                "pyarrow_floor": {
+                    op: {
+                        "times": figure(op, "floor"),
+                        "ratio_pickle_over_floor": ratio(op, "floor"),
+                    }
+                    for op in FLOOR_OPS
                 },
                 "pickle_bytes": r.pickle_bytes,
                 "pickle_oob_bytes": r.pickle_oob_bytes,
