@@ -1104,13 +1104,20 @@ def step_metadata(
 
 
 def _resolve(
-    batch: Any, custom_metadata: Any, missing: str, format_checked: bool = False
+    batch: Any,
+    custom_metadata: Any,
+    missing: str,
+    schema_meta: dict[bytes, bytes] | None = None,
 ) -> tuple[dict[str, Any], bool]:
-    """(checked step JSON, whether a head slice of its step may be decoded)."""
+    """(checked step JSON, whether a head slice of its step may be decoded).
+
+    ``schema_meta``: the batch's schema metadata, read and format-checked by the caller;
+    None: read and checked here."""
     if not isinstance(batch, pa.RecordBatch):
         raise FieldTypeError("batch", "a pyarrow.RecordBatch", describe(batch))
-    if not format_checked:
-        check_format(batch.schema)
+    if schema_meta is None:
+        schema_meta = batch.schema.metadata or {}
+        check_format(batch.schema, schema_meta)
     if missing not in MISSING_POLICIES:
         raise FieldTypeError(
             "missing_step_metadata", " or ".join(map(repr, MISSING_POLICIES)), repr(missing)
@@ -1119,7 +1126,7 @@ def _resolve(
     if raw is not None:
         # IPC custom metadata belongs to its message: trusted as this batch's.
         return _stepmeta.parse(raw, _CUSTOM_PATH, _SPEC), False
-    raw = (batch.schema.metadata or {}).get(KEY_STEP)
+    raw = schema_meta.get(KEY_STEP)
     if raw is not None and _owned(batch, raw):
         return _stepmeta.parse(raw, _SCHEMA_PATH, _SPEC), True
     if missing == "defaults":
@@ -1465,9 +1472,10 @@ def from_record_batch(
     if not isinstance(batch, pa.RecordBatch):
         raise FieldTypeError("batch", "a pyarrow.RecordBatch", describe(batch))
     schema = batch.schema
-    check_format(schema)  # every batch: the run cache below ignores metadata
+    schema_meta = schema.metadata or {}  # read once: each read builds a new dict
+    check_format(schema, schema_meta)  # every batch: the run cache below ignores metadata
     types = _decode_types(schema)
-    meta, head_slice_ok = _resolve(batch, custom_metadata, missing_step_metadata, True)
+    meta, head_slice_ok = _resolve(batch, custom_metadata, missing_step_metadata, schema_meta)
     allowed = allow_list(classes)
     if validate not in (True, False):
         raise FieldTypeError("validate", "True or False", describe(validate))

@@ -209,9 +209,13 @@ def _utf8(raw: bytes, path: str) -> str:
         raise SchemaMismatchError(path, "UTF-8 text", f"bytes that are not UTF-8 ({e})") from e
 
 
-def check_format(schema: pa.Schema) -> None:
-    """Refuse schemas of another format, and newer major versions of this one."""
-    meta = schema.metadata or {}
+def check_format(schema: pa.Schema, metadata: dict[bytes, bytes] | None = None) -> None:
+    """Refuse schemas of another format, and newer major versions of this one.
+
+    ``metadata``: the schema's metadata when the caller has read it already (each read of
+    ``Schema.metadata`` builds a new dict).
+    """
+    meta = (schema.metadata if metadata is None else metadata) or {}
     name = meta.get(KEY_FORMAT)
     if name != FORMAT_NAME.encode():
         raise SchemaMismatchError(
