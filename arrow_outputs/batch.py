@@ -1116,8 +1116,7 @@ def _resolve(
     if not isinstance(batch, pa.RecordBatch):
         raise FieldTypeError("batch", "a pyarrow.RecordBatch", describe(batch))
     if schema_meta is None:
-        schema_meta = batch.schema.metadata or {}
-        check_format(batch.schema, schema_meta)
+        schema_meta = check_format(batch.schema)
     if missing not in MISSING_POLICIES:
         raise FieldTypeError(
             "missing_step_metadata", " or ".join(map(repr, MISSING_POLICIES)), repr(missing)
@@ -1472,8 +1471,7 @@ def from_record_batch(
     if not isinstance(batch, pa.RecordBatch):
         raise FieldTypeError("batch", "a pyarrow.RecordBatch", describe(batch))
     schema = batch.schema
-    schema_meta = schema.metadata or {}  # read once: each read builds a new dict
-    check_format(schema, schema_meta)  # every batch: the run cache below ignores metadata
+    schema_meta = check_format(schema)  # every batch: the run cache below ignores metadata
     types = _decode_types(schema)
     meta, head_slice_ok = _resolve(batch, custom_metadata, missing_step_metadata, schema_meta)
     allowed = allow_list(classes)

@@ -209,13 +209,13 @@ def _utf8(raw: bytes, path: str) -> str:
         raise SchemaMismatchError(path, "UTF-8 text", f"bytes that are not UTF-8 ({e})") from e
 
 
-def check_format(schema: pa.Schema, metadata: dict[bytes, bytes] | None = None) -> None:
+def check_format(schema: pa.Schema) -> dict[bytes, bytes]:
     """Refuse schemas of another format, and newer major versions of this one.
 
-    ``metadata``: the schema's metadata when the caller has read it already (each read of
-    ``Schema.metadata`` builds a new dict).
+    Returns the schema's metadata as read for the check (each read of ``Schema.metadata``
+    builds a new dict: a caller that needs other keys reuses this one).
     """
-    meta = (schema.metadata if metadata is None else metadata) or {}
+    meta = schema.metadata or {}
     name = meta.get(KEY_FORMAT)
     if name != FORMAT_NAME.encode():
         raise SchemaMismatchError(
@@ -237,6 +237,7 @@ def check_format(schema: pa.Schema, metadata: dict[bytes, bytes] | None = None) 
             f"{FORMAT_VERSION}; upgrade arrow_outputs to read it)",
             version,
         )
+    return meta
 
 
 def column_types(schema: pa.Schema) -> ColumnTypes:
