@@ -43,6 +43,36 @@
 #define AO_ALWAYS_INLINE inline
 #endif
 
+/* The value of an exact int that fits one internal digit (|v| < 2**30: token ids, request
+ * indexes), read inline: 1 with *out set, 0 for any other int (the caller then asks
+ * PyLong_AsLongLongAndOverflow). Saves a call per item in the loops over Python ints.
+ * Python 3.12 made the layout private and gave these two accessors for it. */
+#if PY_VERSION_HEX >= 0x030C0000
+static AO_ALWAYS_INLINE int
+compact_long(PyObject *v, long long *out)
+{
+    if (!PyUnstable_Long_IsCompact((PyLongObject *)v)) {
+        return 0;
+    }
+    *out = (long long)PyUnstable_Long_CompactValue((PyLongObject *)v);
+    return 1;
+}
+#else
+#if PY_VERSION_HEX < 0x030B0000
+#include <longintrepr.h> /* Python.h includes it from 3.11 on */
+#endif
+static AO_ALWAYS_INLINE int
+compact_long(PyObject *v, long long *out)
+{
+    Py_ssize_t size = Py_SIZE(v); /* signed digit count: 0 for zero */
+    if (size < -1 || size > 1) {
+        return 0;
+    }
+    *out = size * (long long)((PyLongObject *)v)->ob_digit[0];
+    return 1;
+}
+#endif
+
 static int
 check_nargs(const char *name, Py_ssize_t nargs, Py_ssize_t expected)
 {
@@ -196,11 +226,16 @@ flatten_int_lists(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t
             if (!PyLong_CheckExact(v)) { /* bool, int subclasses, floats: the slow path */
                 goto none;
             }
-            x = PyLong_AsLongLongAndOverflow(v, &overflow);
-            if (x == -1 && PyErr_Occurred()) {
-                goto done;
+            if (!compact_long(v, &x)) {
+                x = PyLong_AsLongLongAndOverflow(v, &overflow);
+                if (x == -1 && PyErr_Occurred()) {
+                    goto done;
+                }
+                if (overflow != 0) {
+                    goto none;
+                }
             }
-            if (overflow != 0 || x < lo || x > hi) {
+            if (x < lo || x > hi) {
                 goto none;
             }
             if (itemsize == 4) {
@@ -255,14 +290,18 @@ utf8_of(PyObject *str, const char **s, Py_ssize_t *len)
     return 1;
 }
 
-/* utf8_array(strs) -> (offsets, data) | None */
+/* utf8_array(strs) -> (offsets, data) | None
+ *
+ * One pass over the strs (each read once: a step's ids are scattered objects), appending to
+ * a data buffer sized from the first id's length and grown by doubling, then trimmed. No
+ * user code runs: exact strs only, and nothing here calls back into Python. */
 static PyObject *
 utf8_array(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
     PyObject *strs, *offsets = NULL, *data = NULL, *result = NULL;
-    Py_ssize_t n, total = 0, pos = 0, len;
+    Py_ssize_t n, total = 0, cap, len;
     const char *s;
-    char *obuf, *dbuf;
+    char *obuf;
     int ok;
 
     if (!check_nargs("utf8_array", nargs, 1)) {
@@ -273,54 +312,59 @@ utf8_array(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
         Py_RETURN_NONE;
     }
     n = PyList_GET_SIZE(strs);
-    /* Pass 1: the sizes. No user code runs: exact strs only. */
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = PyList_GET_ITEM(strs, i);
-        if (!PyUnicode_CheckExact(item)) {
-            Py_RETURN_NONE;
-        }
-        ok = utf8_of(item, &s, &len);
-        if (ok <= 0) {
-            return ok < 0 ? NULL : Py_NewRef(Py_None);
-        }
-        if (len > OFFSET_MAX - total) {
-            Py_RETURN_NONE;
-        }
-        total += len;
-    }
     if (n > PY_SSIZE_T_MAX / 4 - 1) {
         Py_RETURN_NONE;
     }
+    /* A first guess that fits ids of one length (vLLM's are): no growth, a trim of a few
+     * bytes. Capped so that an odd first id cannot ask for a huge buffer. */
+    cap = 64;
+    if (n > 0) {
+        const char *s0;
+        Py_ssize_t first;
+        PyObject *item = PyList_GET_ITEM(strs, 0);
+        if (PyUnicode_CheckExact(item) && utf8_of(item, &s0, &first) > 0 && first <= 256) {
+            cap += n * (first + 1);
+        }
+        else if (PyErr_Occurred()) {
+            return NULL;
+        }
+    }
     offsets = PyBytes_FromStringAndSize(NULL, (n + 1) * 4);
-    data = PyBytes_FromStringAndSize(NULL, total);
+    data = PyBytes_FromStringAndSize(NULL, cap);
     if (offsets == NULL || data == NULL) {
         goto done;
     }
     obuf = PyBytes_AS_STRING(offsets);
-    dbuf = PyBytes_AS_STRING(data);
     store_i32(obuf, 0, 0);
-    /* Pass 2: the bytes, re-checking what the buffers were sized from. */
-    if (PyList_GET_SIZE(strs) != n) {
-        goto none;
-    }
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *item = PyList_GET_ITEM(strs, i);
         if (!PyUnicode_CheckExact(item)) {
             goto none;
         }
         ok = utf8_of(item, &s, &len);
-        if (ok < 0) {
-            goto done;
-        }
-        if (ok == 0 || len > total - pos) {
+        if (ok <= 0) {
+            if (ok < 0) {
+                goto done;
+            }
             goto none;
         }
-        memcpy(dbuf + pos, s, (size_t)len);
-        pos += len;
-        store_i32(obuf, i + 1, (int32_t)pos); /* pos <= total <= OFFSET_MAX */
+        if (len > OFFSET_MAX - total) {
+            goto none;
+        }
+        if (len > cap - total) { /* total + len <= OFFSET_MAX: the doubling cannot overflow */
+            Py_ssize_t want = total + len;
+            Py_ssize_t grown = cap * 2 > want ? cap * 2 : want;
+            if (_PyBytes_Resize(&data, grown) < 0) { /* frees data and sets it NULL */
+                goto done;
+            }
+            cap = grown;
+        }
+        memcpy(PyBytes_AS_STRING(data) + total, s, (size_t)len);
+        total += len;
+        store_i32(obuf, i + 1, (int32_t)total); /* total <= OFFSET_MAX */
     }
-    if (pos != total) {
-        goto none;
+    if (total < cap && _PyBytes_Resize(&data, total) < 0) {
+        goto done;
     }
     result = PyTuple_Pack(2, offsets, data);
     goto done;
@@ -470,21 +514,19 @@ index_in_order(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t na
         Py_RETURN_FALSE; /* list_richcompare's first shortcut: the sizes differ */
     }
     /* One pass for what vLLM hands over: the dict built from req_ids itself (each key the
-     * list's own object) with small exact ints in order. Nothing here can run user code or
+     * list's own object) with exact ints in order. Nothing here can run user code or
      * decide anything but "true": any other pair goes to the two passes below. */
     pos = 0;
     i = 0;
     while (i < n && PyDict_Next(index, &pos, &key, &value)) {
+        long long x;
         if (key != PyList_GET_ITEM(req_ids, i) || !PyLong_CheckExact(value) ||
-            PyLong_AsSsize_t(value) != i) {
+            !compact_long(value, &x) || x != (long long)i) {
             break;
         }
         i++;
     }
-    if (PyErr_Occurred()) { /* an int past Py_ssize_t: not i, so the passes below decide */
-        PyErr_Clear();
-    }
-    else if (i == n) {
+    if (i == n) {
         Py_RETURN_TRUE;
     }
     pos = 0;

@@ -1451,3 +1451,13 @@ def test_to_record_batch_failure_with_run_schema_leaves_schema_usable() -> None:
     assert schema.serialize().to_pybytes() == before
     batch = ao.to_record_batch(_full_step(), step=2, schema=schema)
     assert batch.schema.remove_metadata().equals(schema.remove_metadata())
+
+
+def test_offset_order_check_compares_neighbours_without_wrapping() -> None:
+    # np.diff of int64 extremes wraps to a negative step: the check compares neighbours, so a
+    # rising pair passes and the first falling pair is the one named.
+    from arrow_outputs._checks import check_monotonic
+
+    check_monotonic(np.array([-(2**63), 2**63 - 1]), "x")
+    with pytest.raises(OffsetsError, match=r"got 9223372036854775807 followed by 0 at index 1"):
+        check_monotonic(np.array([-(2**63), 2**63 - 1, 0]), "x")

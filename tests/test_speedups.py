@@ -142,6 +142,20 @@ def test_flatten_int_lists_int64_extremes(impl):
     assert i32(offsets) == [0, 1, 3]
 
 
+# Ints of one internal digit (|v| < 2**30) are read inline in C, the rest by the C API: both
+# sides of that line, signed, and zero.
+DIGIT_EDGES = [0, 1, -1, 2**30 - 1, -(2**30 - 1), 2**30, -(2**30), 2**31 - 1, -(2**31)]
+
+
+@pytest.mark.parametrize("itemsize", [4, 8])
+def test_flatten_int_lists_one_digit_edges(impl, itemsize):
+    lists = [[v] for v in DIGIT_EDGES] + [DIGIT_EDGES]
+    values, offsets = impl.flatten_int_lists(lists, len(lists), itemsize)
+    assert np.frombuffer(values, f"<i{itemsize}").tolist() == DIGIT_EDGES * 2
+    assert (values, offsets) == ref_flatten(lists, itemsize)
+    assert impl.flatten_int_lists([[2**31]], 1, 4) is None  # two digits, still range-checked
+
+
 def test_flatten_int_lists_decode_step_1024(impl):
     lists = [[i * 31 % 128_256] for i in range(1024)]
     assert impl.flatten_int_lists(lists, 1024, 8) == ref_flatten(lists, 8)
@@ -257,6 +271,20 @@ def test_utf8_array_valid(impl, strs):
 )
 def test_utf8_array_refuses(impl, strs):
     assert impl.utf8_array(strs) is None
+
+
+@pytest.mark.parametrize(
+    "strs",
+    [
+        ["a", "b" * 500, "c" * 5000],  # the C buffer, sized from the first id, grows twice
+        ["x" * 300, "y"],  # a first id too long to size from
+        ["", "z" * 100],  # an empty first id
+        ["é" * 10, "日本" * 40],  # the first id's UTF-8 form is longer than its characters
+        [f"cmpl-{i:032x}-0" for i in range(1024)] + ["q" * 70],  # one longer id at the end
+    ],
+)
+def test_utf8_array_ids_of_other_lengths(impl, strs):
+    assert impl.utf8_array(strs) == ref_utf8(strs)
 
 
 def test_utf8_array_more_than_int32_offsets_refused(impl):
@@ -380,6 +408,16 @@ ODD_CASES: list[tuple[list[Any], dict[Any, Any]]] = [
     ([f"r{i}" for i in range(300)], {f"r{i}": float(i) for i in range(300)}),
     ([f"r{i}" for i in range(300)], {f"r{i}": i if i != 299 else 300 for i in range(300)}),
 ]
+
+
+@pytest.mark.parametrize("big", [2**30, 2**31, 2**62, -(2**30), 2**64])
+def test_index_in_order_values_past_one_digit_are_not_positions(impl, big):
+    # A position is read inline in C while it fits one internal digit; a bigger int there
+    # (never a position) goes to the full passes, which say False as Python does.
+    req_ids = [f"r{i}" for i in range(3)]
+    index = {"r0": 0, "r1": big, "r2": 2}
+    assert impl.index_in_order(req_ids, index) is False
+    assert impl.index_in_order(req_ids, {"r0": 0, "r1": 1, "r2": 2}) is True
 
 
 @pytest.mark.parametrize(("req_ids", "index"), ODD_CASES)
