@@ -292,9 +292,11 @@ utf8_of(PyObject *str, const char **s, Py_ssize_t *len)
 
 /* utf8_array(strs) -> (offsets, data) | None
  *
- * One pass over the strs (each read once: a step's ids are scattered objects), appending to
- * a data buffer sized from the first id's length and grown by doubling, then trimmed. No
- * user code runs: exact strs only, and nothing here calls back into Python. */
+ * One pass over the strs for ids of one length, as vLLM's are (each id read once: a step's
+ * ids are scattered objects): the data buffer is sized from the first id. An id that does
+ * not fit has the rest measured first (types and the int32 total checked before anything
+ * large is allocated), and the buffer is sized exactly for them; it is trimmed at the end.
+ * No user code runs: exact strs only, and nothing here calls back into Python. */
 static PyObject *
 utf8_array(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
@@ -315,14 +317,15 @@ utf8_array(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
     if (n > PY_SSIZE_T_MAX / 4 - 1) {
         Py_RETURN_NONE;
     }
-    /* A first guess that fits ids of one length (vLLM's are): no growth, a trim of a few
-     * bytes. Capped so that an odd first id cannot ask for a huge buffer. */
+    /* A first guess that fits ids of the first one's length (bounded: an odd first id asks
+     * for no more than 257 bytes per id, and never more than int32 offsets can reach). */
     cap = 64;
     if (n > 0) {
         const char *s0;
         Py_ssize_t first;
         PyObject *item = PyList_GET_ITEM(strs, 0);
-        if (PyUnicode_CheckExact(item) && utf8_of(item, &s0, &first) > 0 && first <= 256) {
+        if (PyUnicode_CheckExact(item) && utf8_of(item, &s0, &first) > 0 && first <= 256 &&
+            n <= (OFFSET_MAX - cap) / (first + 1)) {
             cap += n * (first + 1);
         }
         else if (PyErr_Occurred()) {
@@ -351,13 +354,34 @@ utf8_array(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
         if (len > OFFSET_MAX - total) {
             goto none;
         }
-        if (len > cap - total) { /* total + len <= OFFSET_MAX: the doubling cannot overflow */
-            Py_ssize_t want = total + len;
-            Py_ssize_t grown = cap * 2 > want ? cap * 2 : want;
-            if (_PyBytes_Resize(&data, grown) < 0) { /* frees data and sets it NULL */
+        if (len > cap - total) { /* the rest measured, then the buffer sized for them */
+            Py_ssize_t need = total;
+            for (Py_ssize_t j = i; j < n; j++) {
+                const char *sj;
+                Py_ssize_t lj;
+                PyObject *other = PyList_GET_ITEM(strs, j);
+                if (!PyUnicode_CheckExact(other)) {
+                    goto none;
+                }
+                ok = utf8_of(other, &sj, &lj);
+                if (ok <= 0) {
+                    if (ok < 0) {
+                        goto done;
+                    }
+                    goto none;
+                }
+                if (lj > OFFSET_MAX - need) {
+                    goto none;
+                }
+                need += lj;
+            }
+            if (_PyBytes_Resize(&data, need) < 0) { /* frees data and sets it NULL */
                 goto done;
             }
-            cap = grown;
+            cap = need;
+            if (len > cap - total) { /* cannot happen (nothing ran since); never write past */
+                goto none;
+            }
         }
         memcpy(PyBytes_AS_STRING(data) + total, s, (size_t)len);
         total += len;

@@ -293,6 +293,22 @@ def test_utf8_array_more_than_int32_offsets_refused(impl):
 
 
 @pytest.mark.skipif(_speedups is None, reason="arrow_outputs._speedups not built")
+def test_utf8_array_c_refuses_too_much_data_before_allocating_it():
+    # 2**11 references to one 1 MiB id: 2 GiB of UTF-8 that no int32 offset reaches. The C
+    # walk measures what does not fit its first guess before sizing a buffer for it.
+    import tracemalloc
+
+    strs = ["x" * 2**20] * 2**11
+    tracemalloc.start()
+    try:
+        assert _speedups.utf8_array(strs) is None
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**20
+
+
+@pytest.mark.skipif(_speedups is None, reason="arrow_outputs._speedups not built")
 def test_utf8_array_c_counts_bytes_not_characters():
     # 2**30 + 2**20 characters but 2**31 + 2**21 bytes: only the byte count is over.
     # C only: the pure-Python twin would encode 2 GiB to find out (same rule, by construction).
