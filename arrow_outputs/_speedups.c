@@ -290,6 +290,14 @@ utf8_of(PyObject *str, const char **s, Py_ssize_t *len)
     return 1;
 }
 
+/* utf8_of for strs[i] (strs an exact list, i in range): 0 when it is not an exact str. */
+static AO_ALWAYS_INLINE int
+item_utf8(PyObject *strs, Py_ssize_t i, const char **s, Py_ssize_t *len)
+{
+    PyObject *item = PyList_GET_ITEM(strs, i);
+    return PyUnicode_CheckExact(item) ? utf8_of(item, s, len) : 0;
+}
+
 /* utf8_array(strs) -> (offsets, data) | None
  *
  * One pass over the strs for ids of one length, as vLLM's are (each id read once: a step's
@@ -321,15 +329,12 @@ utf8_array(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
      * for no more than 257 bytes per id, and never more than int32 offsets can reach). */
     cap = 64;
     if (n > 0) {
-        const char *s0;
-        Py_ssize_t first;
-        PyObject *item = PyList_GET_ITEM(strs, 0);
-        if (PyUnicode_CheckExact(item) && utf8_of(item, &s0, &first) > 0 && first <= 256 &&
-            n <= (OFFSET_MAX - cap) / (first + 1)) {
-            cap += n * (first + 1);
-        }
-        else if (PyErr_Occurred()) {
+        ok = item_utf8(strs, 0, &s, &len);
+        if (ok < 0) {
             return NULL;
+        }
+        if (ok > 0 && len <= 256 && n <= (OFFSET_MAX - cap) / (len + 1)) {
+            cap += n * (len + 1);
         }
     }
     offsets = PyBytes_FromStringAndSize(NULL, (n + 1) * 4);
@@ -340,37 +345,23 @@ utf8_array(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
     obuf = PyBytes_AS_STRING(offsets);
     store_i32(obuf, 0, 0);
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = PyList_GET_ITEM(strs, i);
-        if (!PyUnicode_CheckExact(item)) {
-            goto none;
+        ok = item_utf8(strs, i, &s, &len);
+        if (ok < 0) {
+            goto done;
         }
-        ok = utf8_of(item, &s, &len);
-        if (ok <= 0) {
-            if (ok < 0) {
-                goto done;
-            }
-            goto none;
-        }
-        if (len > OFFSET_MAX - total) {
+        if (ok == 0 || len > OFFSET_MAX - total) {
             goto none;
         }
         if (len > cap - total) { /* the rest measured, then the buffer sized for them */
-            Py_ssize_t need = total;
-            for (Py_ssize_t j = i; j < n; j++) {
+            Py_ssize_t need = total + len;
+            for (Py_ssize_t j = i + 1; j < n; j++) {
                 const char *sj;
                 Py_ssize_t lj;
-                PyObject *other = PyList_GET_ITEM(strs, j);
-                if (!PyUnicode_CheckExact(other)) {
-                    goto none;
+                ok = item_utf8(strs, j, &sj, &lj);
+                if (ok < 0) {
+                    goto done;
                 }
-                ok = utf8_of(other, &sj, &lj);
-                if (ok <= 0) {
-                    if (ok < 0) {
-                        goto done;
-                    }
-                    goto none;
-                }
-                if (lj > OFFSET_MAX - need) {
+                if (ok == 0 || lj > OFFSET_MAX - need) {
                     goto none;
                 }
                 need += lj;
