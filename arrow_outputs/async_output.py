@@ -44,7 +44,6 @@ from .outputs import (
     LogprobsLists,
     ModelRunnerOutput,
 )
-from .schema import infer_schema
 
 __all__ = ["AsyncArrowOutput"]
 
@@ -289,8 +288,6 @@ class AsyncArrowOutput(AsyncModelRunnerOutput):
         # Fields the format has no place for are refused by name, as the encoder would.
         _refuse_unknown_fields(out, ModelRunnerOutput, "output")
         view = _output_view(out, lp, prebuilt)
-        if schema is None:
-            schema = _inferred_schema(view, lp)
         return encode_step(view, step=step, schema=schema, prebuilt=prebuilt)
 
     def get_kv_connector_output(self) -> KVConnectorOutput | None:
@@ -333,28 +330,6 @@ def _output_view(out: Any, logprobs: Any, prebuilt: dict[str, Any]) -> ModelRunn
         elif hasattr(out, name):
             d[name] = getattr(out, name)
     return view
-
-
-_INFERRED: dict[tuple[str, str] | None, pa.Schema] = {}
-
-
-def _inferred_schema(view: Any, lp: LogprobsLists | None) -> pa.Schema | None:
-    """The schema the encoder would infer for this step, cached by the logprob dtypes, for a
-    step where only those decide it (no prompt logprobs, pooler or aux output: a decode
-    step); None otherwise, and the encoder infers. Inferring costs a fifth of the encoder's
-    time at 1024 requests, and every decode step of a run infers the same schema."""
-    if (
-        getattr(view, "prompt_logprobs_dict", None)
-        or getattr(view, "prompt_token_id_logprobs_dict", None)
-        or getattr(view, "pooler_output", None) is not None
-        or getattr(view, "aux_output_connector_output", None) is not None
-    ):
-        return None
-    key = None if lp is None else (lp.logprob_token_ids.dtype.str, lp.sampled_token_ranks.dtype.str)
-    schema = _INFERRED.get(key)
-    if schema is None:
-        schema = _INFERRED[key] = infer_schema(view)
-    return schema
 
 
 _SAMPLED_TYPE = pa.list_(pa.int64())  # the sampled-ids column of an inferred schema

@@ -255,9 +255,17 @@ def _decode_types(schema: pa.Schema) -> ColumnTypes:
 
 
 _INFERRED: dict[tuple[ColumnTypes, str], pa.Schema] = {}
+# The same schemas by _quick_key: inferring costs more than a tenth of a step's encoding (at
+# any size), and every decode step of a run infers the same schema.
+_QUICK: dict[tuple[Any, ...], pa.Schema] = {}
 
 
 def _inferred_schema(output: Any, metadata: dict[str, Any] | None) -> pa.Schema:
+    quick = _quick_key(output) if metadata is None else None
+    if quick is not None:
+        schema = _QUICK.get(quick)
+        if schema is not None:
+            return schema
     types = infer_column_types(output)
     if metadata is not None and not isinstance(metadata, dict):
         raise FieldTypeError("metadata", "a dict of JSON-serialisable values", describe(metadata))
@@ -267,7 +275,35 @@ def _inferred_schema(output: Any, metadata: dict[str, Any] | None) -> pa.Schema:
         if len(_INFERRED) > 64:
             _INFERRED.clear()
         schema = _INFERRED[key] = output_schema(types, metadata=metadata)
+    if quick is not None:
+        if len(_QUICK) > 64:
+            _QUICK.clear()
+        _QUICK[quick] = schema
     return schema
+
+
+def _quick_key(output: Any) -> tuple[Any, ...] | None:
+    """What alone decides the inferred schema of a step without prompt logprobs, pooler or
+    aux output whose logprobs (if any) are numpy arrays, as in every decode step: the
+    logprob dtypes (``infer_column_types`` reads nothing else then). None for other steps,
+    which are inferred in full."""
+    for name in ("prompt_logprobs_dict", "prompt_token_id_logprobs_dict"):
+        x = getattr(output, name, None)
+        if x is not None and not (type(x) is dict and not x):
+            return None
+    aux = getattr(output, "aux_output_connector_output", None)
+    if getattr(output, "pooler_output", None) is not None or not (
+        aux is None or (type(aux) is dict and not aux)
+    ):
+        return None
+    lp = getattr(output, "logprobs", None)
+    if lp is None:
+        return ()
+    ids = getattr(lp, "logprob_token_ids", None)
+    ranks = getattr(lp, "sampled_token_ranks", getattr(lp, "selected_token_ranks", None))
+    if type(ids) is not np.ndarray or type(ranks) is not np.ndarray:
+        return None
+    return (ids.dtype, ranks.dtype)
 
 
 @lru_cache(maxsize=64)

@@ -1353,3 +1353,42 @@ def test_to_record_batch_numpy_scalars_in_connector_output_kept():
     assert back.kv_connector_output.invalid_block_ids == {3, 4}
     assert {type(v) for v in back.kv_connector_output.invalid_block_ids} == {np.int64, int}
     assert type(back.kv_connector_output.kv_connector_stats["n"]) is np.float32
+
+
+def test_inferred_schema_of_a_decode_step_is_the_full_inference() -> None:
+    """Decode steps take their inferred schema from a cache keyed by the logprob dtypes
+    (_quick_key); every other step is inferred in full, so a cached decode step's schema is
+    never handed to a step whose prompt logprobs, pooler or aux output decide its types."""
+    from arrow_outputs.batch import _inferred_schema
+    from arrow_outputs.schema import infer_column_types
+
+    def full(out: ModelRunnerOutput) -> pa.Schema:
+        return output_schema(infer_column_types(out))
+
+    decode = [
+        ModelRunnerOutput(["a"], {"a": 0}, [[1]], logprobs=_lists(1, 3, ids=ids, ranks=ranks))
+        for ids in (np.int32, np.int64)
+        for ranks in (np.int32, np.int64)
+    ] + [ModelRunnerOutput(["a"], {"a": 0}, [[1]])]
+    for out in decode * 2:  # the second time from the cache
+        assert _inferred_schema(out, None).equals(full(out), check_metadata=True)
+    int32 = _lists(1, 3, ids=np.int32, ranks=np.int32)
+    others = [
+        ModelRunnerOutput(
+            ["a"],
+            {"a": 0},
+            [[1]],
+            logprobs=int32,
+            prompt_logprobs_dict={"a": _tensors(2, 3, ids=torch.int32)},
+        ),
+        ModelRunnerOutput(
+            ["a"], {"a": 0}, [[1]], logprobs=int32, pooler_output=[torch.zeros(2, 4)]
+        ),
+    ]
+    cached = _inferred_schema(decode[0], None)  # int32 logprob ids and ranks, as others'
+    for out in others:
+        got = _inferred_schema(out, None)
+        assert got.equals(full(out), check_metadata=True)
+        assert not got.equals(cached, check_metadata=True)
+    tensors = ModelRunnerOutput(["a"], {"a": 0}, [[1]], logprobs=_tensors(1, 3, ids=torch.int32))
+    assert _inferred_schema(tensors, None).equals(full(tensors), check_metadata=True)
