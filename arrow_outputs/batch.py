@@ -63,6 +63,7 @@ from .schema import (
     check_format,
     column_types,
     infer_column_types,
+    logprob_ranks,
     output_schema,
 )
 from .tensors import decode_tensor_rows, encode_tensor_rows
@@ -287,20 +288,21 @@ def _quick_key(output: Any) -> tuple[Any, ...] | None:
     aux output whose logprobs (if any) are numpy arrays, as in every decode step: the
     logprob dtypes (``infer_column_types`` reads nothing else then). None for other steps,
     which are inferred in full."""
-    for name in ("prompt_logprobs_dict", "prompt_token_id_logprobs_dict"):
+    for name in (
+        "prompt_logprobs_dict",
+        "prompt_token_id_logprobs_dict",
+        "aux_output_connector_output",
+    ):
         x = getattr(output, name, None)
         if x is not None and not (type(x) is dict and not x):
             return None
-    aux = getattr(output, "aux_output_connector_output", None)
-    if getattr(output, "pooler_output", None) is not None or not (
-        aux is None or (type(aux) is dict and not aux)
-    ):
+    if getattr(output, "pooler_output", None) is not None:
         return None
     lp = getattr(output, "logprobs", None)
     if lp is None:
         return ()
     ids = getattr(lp, "logprob_token_ids", None)
-    ranks = getattr(lp, "sampled_token_ranks", getattr(lp, "selected_token_ranks", None))
+    ranks = logprob_ranks(lp)
     if type(ids) is not np.ndarray or type(ranks) is not np.ndarray:
         return None
     return (ids.dtype, ranks.dtype)

@@ -314,9 +314,8 @@ def infer_column_types(output: Any) -> ColumnTypes:
     kw: dict[str, Any] = {}
     lp = getattr(output, "logprobs", None)
     if lp is not None and hasattr(lp, "logprob_token_ids"):
-        ranks = getattr(lp, "sampled_token_ranks", getattr(lp, "selected_token_ranks", None))
         kw["logprob_token_ids"] = _int_dtype(lp.logprob_token_ids)
-        kw["logprob_ranks"] = _int_dtype(ranks)
+        kw["logprob_ranks"] = _int_dtype(logprob_ranks(lp))
     prompt = _mapping_values(getattr(output, "prompt_logprobs_dict", None))
     first = next((v for v in prompt if v is not None), None)
     if first is not None and hasattr(first, "logprob_token_ids"):
@@ -332,6 +331,12 @@ def infer_column_types(output: Any) -> ColumnTypes:
     if aux:
         kw["aux_rows"] = _infer([getattr(v, "rows", None) for v in aux], 3, fixed=False)
     return ColumnTypes(**kw)
+
+
+def logprob_ranks(lp: Any) -> Any:
+    """The ranks of a ``LogprobsLists`` (``sampled_token_ranks``) or ``LogprobsTensors``
+    (``selected_token_ranks``); None when it has neither."""
+    return getattr(lp, "sampled_token_ranks", getattr(lp, "selected_token_ranks", None))
 
 
 def _mapping_values(x: Any) -> list[Any]:
