@@ -26,7 +26,7 @@ from . import _accel
 from ._checks import arange_offsets, describe
 from ._stepmeta import shared_layout
 from ._torch import host_numpy
-from .batch import _refuse_unknown_fields, encode_step, to_record_batch
+from .batch import _refuse_unknown_fields, encode_staged_step, encode_step, to_record_batch
 from .device import Staged, StagingPool, _torch
 from .errors import (
     ConsistencyError,
@@ -287,6 +287,10 @@ class AsyncArrowOutput(AsyncModelRunnerOutput):
         lp = self._host_logprobs()
         # Fields the format has no place for are refused by name, as the encoder would.
         _refuse_unknown_fields(out, ModelRunnerOutput, "output")
+        if _as_nodes():
+            batch = encode_staged_step(out, lp, prebuilt, step=step, schema=schema)
+            if batch is not None:
+                return batch
         view = _output_view(out, lp, prebuilt)
         return encode_step(view, step=step, schema=schema, prebuilt=prebuilt)
 

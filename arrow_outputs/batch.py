@@ -236,6 +236,17 @@ def _run_of(schema: pa.Schema) -> _Run:
     return run
 
 
+def _known_run(schema: pa.Schema) -> _Run | None:
+    """The run of a schema already in use (as :func:`_run_of` finds it), else None."""
+    for run in _RUNS:
+        if run.schema is schema:
+            return run
+    for run in _RUNS:
+        if run.schema.equals(schema, check_metadata=True):
+            return run
+    return None
+
+
 _DECODE: list[tuple[pa.Schema, ColumnTypes]] = []  # most recent first
 
 
@@ -843,6 +854,13 @@ _CODECS: dict[str, _Codec] = {
         "aux_output", "aux_output_connector_output", _enc_aux, _dec_aux, lambda: None
     ),
 }
+# The columns a staged decode step (encode_staged_step) may have absent: (column, output
+# field, the type of the field's empty value: None for None).
+_STAGED_ABSENT = tuple(
+    (name, codec.output_field, None if codec.absent() is None else type(codec.absent()))
+    for name, codec in _CODECS.items()
+    if name not in ("sampled_token_ids", "logprobs")
+)
 # step, req_id and req_index identify the rows; every other column has a codec.
 assert COLUMNS[3:] == tuple(_CODECS), "the codec table and the schema disagree"
 # Column lookups by name cost 3x lookups by position; positions come from the schema's table.
@@ -942,9 +960,7 @@ def encode_step(
         )
     run = _run_of(schema)
     ctx = _Enc(output, req_ids, index, n, run.types, run.absent(n), run.arrow_types)
-    step_col, identity = _step_column(n, step)
-    req_index = _req_index_node(n) if _accel.accelerated() else _req_index(n)
-    arrays = [step_col, run.req_id_column(req_ids), req_index]
+    arrays, identity = _row_columns(run, req_ids, n, step)
     layouts = []
     for name, codec in _CODECS.items():
         if prebuilt and name in prebuilt:
@@ -953,6 +969,30 @@ def encode_step(
             arr, layout = codec.encode(ctx)
         arrays.append(arr)
         layouts.append(layout)
+    return _finish(output, run, schema, step, n, identity, arrays, layouts, opaque)
+
+
+def _row_columns(run: _Run, req_ids: list[Any], n: int, step: int | None) -> tuple[list[Any], Any]:
+    """The columns that identify the rows (step, req_id, req_index), and the step column's
+    buffer (the batch's identity, :mod:`._stepmeta`)."""
+    step_col, identity = _step_column(n, step)
+    req_index = _req_index_node(n) if _accel.accelerated() else _req_index(n)
+    return [step_col, run.req_id_column(req_ids), req_index], identity
+
+
+def _finish(
+    output: Any,
+    run: _Run,
+    schema: pa.Schema,
+    step: int | None,
+    n: int,
+    identity: Any,
+    arrays: list[Any],
+    layouts: list[Any],
+    opaque: str,
+) -> pa.RecordBatch:
+    """The batch of a step's columns (in schema order) and codec layouts: the step-level
+    objects and the step JSON go into its schema metadata, as one C assembly."""
     dropped: Dropped = []
     objects = []
     for key in _STEP_CLASSES:
@@ -963,6 +1003,83 @@ def encode_step(
     run_meta = run.metadata.copy()
     run_meta[KEY_STEP] = raw
     return _accel.record_batch(arrays, schema.with_metadata(run_meta), n)
+
+
+def encode_staged_step(
+    output: Any,
+    logprobs: Any,
+    prebuilt: dict[str, tuple[Any, Any]],
+    *,
+    step: Any = None,
+    schema: pa.Schema | None = None,
+) -> pa.RecordBatch | None:
+    """:func:`encode_step` for the step a decode run makes every step from staged buffers
+    (``AsyncArrowOutput``): every column prebuilt as a node for the C assembly but the
+    logprobs (``logprobs``: the staged ``LogprobsLists``, or None), every other field of
+    ``output`` absent (empty prompt dicts, no pooler or aux output), request ids already in
+    ``req_id_to_index`` order, and a run schema already in use (or none, for a decode
+    step's inferred schema that is cached already).
+
+    The same batch as ``encode_step``, with the same checks in the same order, minus the
+    generic work that such a step does not need: no view of the output, no encoder called
+    for an absent column. None for any other step, and before anything is refused: the
+    caller then runs ``encode_step``, which encodes it or raises its precise error.
+    """
+    if not _accel.accelerated() or "sampled_token_ids" not in prebuilt:
+        return None
+    req_ids = getattr(output, "req_ids", None)
+    index = getattr(output, "req_id_to_index", None)
+    if type(req_ids) is not list or type(index) is not dict or not req_ids:
+        return None
+    if not (step is None or (type(step) is int and -(2**63) <= step < 2**63)):
+        return None
+    for name, field, kind in _STAGED_ABSENT:
+        if name in prebuilt:
+            continue
+        value = _get(output, field, ModelRunnerOutput)
+        if not (value is None if kind is None else (type(value) is kind and not value)):
+            return None
+    if not _accel.index_in_order(req_ids, index):
+        return None
+    if logprobs is None:
+        logprobs = _get(output, "logprobs", ModelRunnerOutput)
+    if schema is None:
+        key: tuple[Any, ...] = ()
+        if logprobs is not None:
+            ids = getattr(logprobs, "logprob_token_ids", None)
+            ranks = logprob_ranks(logprobs)
+            if type(ids) is not np.ndarray or type(ranks) is not np.ndarray:
+                return None
+            key = (ids.dtype, ranks.dtype)
+        schema = _QUICK.get(key)
+        if schema is None:
+            return None  # encode_step infers it, and caches it for the next steps
+    elif type(schema) is not pa.Schema:
+        return None
+    run = _known_run(schema)
+    if run is None:
+        return None
+    n = len(req_ids)
+    arrays, identity = _row_columns(run, req_ids, n, step)
+    nulls = run.absent(n)
+    layouts = []
+    for name in _CODECS:  # the columns in the table's (and the schema's) order
+        if name in prebuilt:
+            column, layout = prebuilt[name]
+        elif name == "logprobs" and logprobs is not None:
+            column, layout = encode_logprobs(
+                logprobs,
+                "logprobs",
+                id_type=run.types.logprob_token_ids,
+                rank_type=run.types.logprob_ranks,
+                num_rows=n,
+                as_node=True,
+            )
+        else:
+            column, layout = nulls[name], None
+        arrays.append(column)
+        layouts.append(layout)
+    return _finish(output, run, schema, step, n, identity, arrays, layouts, "drop")
 
 
 # The last step JSON's tail (everything after "step" and "rows") and the layout objects it

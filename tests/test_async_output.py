@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import arrow_outputs as ao
+from arrow_outputs import async_output
 from arrow_outputs.async_output import AsyncArrowOutput
 from arrow_outputs.demo.sampler import SamplerOutput  # MRv2's SamplerOutput, by its names
 from arrow_outputs.device import StagingPool
@@ -367,3 +368,77 @@ def test_async_arrow_output_schema_inference_follows_each_step() -> None:
             batch = AsyncArrowOutput(copy.copy(mro), sampler, counts).get_record_batch(step=2)
             assert batch.schema.equals(expected.schema, check_metadata=True)
             assert batch.equals(expected)
+
+
+def _spy_staged_encoder(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """What each call of batch.encode_staged_step gave: True for a batch, False for None
+    (the general path then encodes the step)."""
+    calls: list[bool] = []
+    real = async_output.encode_staged_step
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        got = real(*args, **kwargs)
+        calls.append(got is not None)
+        return got
+
+    monkeypatch.setattr(async_output, "encode_staged_step", spy)
+    return calls
+
+
+@pytest.mark.parametrize("kw", [c for c in CASES if c.id != "empty"])
+@pytest.mark.parametrize("objects", [False, True], ids=["plain", "step-objects"])
+def test_async_arrow_output_decode_steps_take_the_staged_encoder(
+    kw: dict[str, Any], objects: bool, codec_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The steps a decode run makes every step (no prompt logprobs, pooler or aux output) go
+    # through encode_staged_step on the C path, once their schema is known, and give the
+    # very batch of the general path.
+    mro, sampler, counts = _step(**kw)
+    mro.prompt_logprobs_dict = {}
+    if not objects:
+        mro.kv_connector_output = mro.cudagraph_stats = None
+    expected = ao.to_record_batch(vllm_get_output(copy.copy(mro), sampler, counts), step=9)
+    calls = _spy_staged_encoder(monkeypatch)
+    for schema in (None, None, ao.run_schema(expected)):
+        out = AsyncArrowOutput(copy.copy(mro), sampler, counts, pool=StagingPool())
+        batch = out.get_record_batch(step=9, schema=schema)
+        assert batch.schema.equals(expected.schema, check_metadata=True)
+        assert batch.equals(expected)
+        ao.assert_outputs_equal(ao.from_record_batch(batch), ao.from_record_batch(expected))
+    # The first step may infer its schema (the general path caches it for the next ones).
+    assert calls[1:] == ([] if codec_path == "python" else [True, True])
+
+
+def test_async_arrow_output_other_steps_take_the_general_path(
+    codec_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mro, sampler, counts = _step(4, 1)  # r0 has prompt logprobs
+    expected = ao.to_record_batch(vllm_get_output(copy.copy(mro), sampler, counts), step=3)
+    calls = _spy_staged_encoder(monkeypatch)
+    for _ in range(2):
+        batch = AsyncArrowOutput(copy.copy(mro), sampler, counts).get_record_batch(step=3)
+        assert batch.equals(expected)
+    assert calls == ([] if codec_path == "python" else [False, False])
+
+
+@pytest.mark.parametrize("fault", ["req-id-bytes", "req-id-surrogate", "ids-vs-schema"])
+def test_async_arrow_output_decode_step_errors_are_the_encoders(fault: str) -> None:
+    # Whichever path encodes a decode step, a fault gets to_record_batch's own error.
+    mro, sampler, counts = _step(3, 1, seed=2)
+    mro.prompt_logprobs_dict = {}
+    schema = None
+    if fault == "ids-vs-schema":
+        types = ao.ColumnTypes(logprob_token_ids="int32")
+        schema = ao.output_schema(types)
+    for _ in range(2):  # the second step finds the run (and the inferred schema) cached
+        m = copy.copy(mro)
+        if fault.startswith("req-id"):
+            bad: Any = b"r1" if fault == "req-id-bytes" else "r\udc80"
+            m.req_ids = ["r0", bad, "r2"]
+            m.req_id_to_index = {r: i for i, r in enumerate(m.req_ids)}
+        with pytest.raises(ao.ArrowOutputsError) as want:
+            ao.to_record_batch(vllm_get_output(copy.copy(m), sampler, counts), schema=schema)
+        with pytest.raises(ao.ArrowOutputsError) as got:
+            AsyncArrowOutput(m, sampler, counts).get_record_batch(schema=schema)
+        assert type(got.value) is type(want.value)
+        assert str(got.value) == str(want.value)
