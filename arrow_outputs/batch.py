@@ -224,20 +224,16 @@ _RUNS: list[_Run] = []  # most recent first
 
 
 def _run_of(schema: pa.Schema) -> _Run:
-    for run in _RUNS:
-        if run.schema is schema:
-            return run
-    for run in _RUNS:
-        if run.schema.equals(schema, check_metadata=True):
-            return run
-    run = _Run(schema, column_types(schema))
-    _RUNS.insert(0, run)
-    del _RUNS[8:]
+    run = _known_run(schema)
+    if run is None:
+        run = _Run(schema, column_types(schema))
+        _RUNS.insert(0, run)
+        del _RUNS[8:]
     return run
 
 
 def _known_run(schema: pa.Schema) -> _Run | None:
-    """The run of a schema already in use (as :func:`_run_of` finds it), else None."""
+    """The run of a schema already in use (the very object, or an equal one), else None."""
     for run in _RUNS:
         if run.schema is schema:
             return run
