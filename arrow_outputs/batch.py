@@ -305,7 +305,12 @@ def _quick_key(output: Any) -> tuple[Any, ...] | None:
             return None
     if getattr(output, "pooler_output", None) is not None:
         return None
-    lp = getattr(output, "logprobs", None)
+    return _logprobs_key(getattr(output, "logprobs", None))
+
+
+def _logprobs_key(lp: Any) -> tuple[Any, ...] | None:
+    """The logprobs' part of :func:`_quick_key`: () without logprobs, their id and rank
+    dtypes for numpy arrays, None for anything else."""
     if lp is None:
         return ()
     ids = getattr(lp, "logprob_token_ids", None)
@@ -1040,14 +1045,8 @@ def encode_staged_step(
     if logprobs is None:
         logprobs = _get(output, "logprobs", ModelRunnerOutput)
     if schema is None:
-        key: tuple[Any, ...] = ()
-        if logprobs is not None:
-            ids = getattr(logprobs, "logprob_token_ids", None)
-            ranks = logprob_ranks(logprobs)
-            if type(ids) is not np.ndarray or type(ranks) is not np.ndarray:
-                return None
-            key = (ids.dtype, ranks.dtype)
-        schema = _QUICK.get(key)
+        key = _logprobs_key(logprobs)  # the other fields of _quick_key are absent (above)
+        schema = None if key is None else _QUICK.get(key)
         if schema is None:
             return None  # encode_step infers it, and caches it for the next steps
     elif type(schema) is not pa.Schema:
