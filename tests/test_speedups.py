@@ -436,6 +436,43 @@ def test_index_in_order_values_past_one_digit_are_not_positions(impl, big):
     assert impl.index_in_order(req_ids, {"r0": 0, "r1": 1, "r2": 2}) is True
 
 
+def _dict_shapes() -> list[tuple[str, list[Any], dict[Any, Any]]]:
+    """Dicts of every internal shape the C path reads in place or declines (CPython 3.11
+    reads a combined table's entries directly): str and non-str keys, across resizes, with
+    deleted entries (their slots stay empty in the table), re-inserted keys, a split
+    instance dict, and keys equal to but not the list's own objects."""
+    shapes: list[tuple[str, list[Any], dict[Any, Any]]] = []
+    for n in (1, 5, 6, 300, 1025):
+        ids = [f"cmpl-{i:x}" for i in range(n)]
+        shapes.append((f"str keys {n}", ids, {r: i for i, r in enumerate(ids)}))
+        ints = list(range(10**6, 10**6 + n))
+        shapes.append((f"int keys {n}", ints, {k: i for i, k in enumerate(ints)}))
+        deleted = {r: i for i, r in enumerate([*ids, "gone"])}
+        del deleted["gone"]  # the last entry's slot stays, empty: no longer a dense table
+        shapes.append((f"deleted last {n}", ids, deleted))
+        if n > 1:
+            moved = {r: i for i, r in enumerate(ids)}
+            moved[ids[0]] = moved.pop(ids[0])  # same items, the first key now last
+            shapes.append((f"reinserted {n}", ids, moved))
+        copies = ["".join(r) for r in ids]  # equal strs, other objects (n > 1: not interned)
+        shapes.append((f"equal keys {n}", copies, {r: i for i, r in enumerate(ids)}))
+        shifted = {r: i + 1 for i, r in enumerate(ids)}
+        shapes.append((f"wrong positions {n}", ids, shifted))
+    obj = type("Obj", (), {})()
+    obj.a, obj.b = 0, 1
+    shapes.append(("split instance dict", ["a", "b"], vars(obj)))
+    return shapes
+
+
+@pytest.mark.parametrize(("name", "req_ids", "index"), _dict_shapes(), ids=lambda v: str(v)[:30])
+def test_index_in_order_reads_every_dict_shape_as_python(impl, name, req_ids, index):
+    want = expr(req_ids, index)
+    assert impl.index_in_order(req_ids, index) is want
+    # The same items in order, whatever the table holds besides: only moved keys and
+    # shifted positions are refused.
+    assert want is (name.split()[0] not in ("reinserted", "wrong"))
+
+
 @pytest.mark.parametrize(("req_ids", "index"), ODD_CASES)
 def test_index_in_order_equals_python_expression(impl, req_ids, index):
     assert impl.index_in_order(req_ids, index) is expr(req_ids, index)
