@@ -602,11 +602,15 @@ index_in_order(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t na
     /* One pass for what vLLM hands over: the dict built from req_ids itself (each key the
      * list's own object) with exact ints in order. Nothing here can run user code or
      * decide anything but "true": any other pair goes to the two passes below. */
-#ifdef AO_DICT_TABLE
     {
+        int table_read = 0;
+#ifdef AO_DICT_TABLE
         PyObject **slots;
         Py_ssize_t stride;
         if (dict_layout_ok() && dict_table(index, &slots, &stride)) {
+            /* The same pass over the entries in place (see dict_table); a mismatch here is
+             * one there too, so the PyDict_Next pass is not run again. */
+            table_read = 1;
             for (i = 0; i < n; i++) {
                 PyObject **entry = slots + i * stride;
                 long long x;
@@ -615,21 +619,20 @@ index_in_order(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t na
                     break;
                 }
             }
-            if (i == n) {
-                Py_RETURN_TRUE;
+        }
+#endif
+        if (!table_read) {
+            pos = 0;
+            i = 0;
+            while (i < n && PyDict_Next(index, &pos, &key, &value)) {
+                long long x;
+                if (key != PyList_GET_ITEM(req_ids, i) || !PyLong_CheckExact(value) ||
+                    !compact_long(value, &x) || x != (long long)i) {
+                    break;
+                }
+                i++;
             }
         }
-    }
-#endif
-    pos = 0;
-    i = 0;
-    while (i < n && PyDict_Next(index, &pos, &key, &value)) {
-        long long x;
-        if (key != PyList_GET_ITEM(req_ids, i) || !PyLong_CheckExact(value) ||
-            !compact_long(value, &x) || x != (long long)i) {
-            break;
-        }
-        i++;
     }
     if (i == n) {
         Py_RETURN_TRUE;

@@ -454,7 +454,7 @@ def _dict_shapes() -> list[tuple[str, list[Any], dict[Any, Any]]]:
             moved = {r: i for i, r in enumerate(ids)}
             moved[ids[0]] = moved.pop(ids[0])  # same items, the first key now last
             shapes.append((f"reinserted {n}", ids, moved))
-        copies = ["".join(r) for r in ids]  # equal strs, other objects (n > 1: not interned)
+        copies = ["".join(r) for r in ids]  # equal strs, each a new object
         shapes.append((f"equal keys {n}", copies, {r: i for i, r in enumerate(ids)}))
         shifted = {r: i + 1 for i, r in enumerate(ids)}
         shapes.append((f"wrong positions {n}", ids, shifted))
@@ -464,7 +464,9 @@ def _dict_shapes() -> list[tuple[str, list[Any], dict[Any, Any]]]:
     return shapes
 
 
-@pytest.mark.parametrize(("name", "req_ids", "index"), _dict_shapes(), ids=lambda v: str(v)[:30])
+@pytest.mark.parametrize(
+    ("name", "req_ids", "index"), _dict_shapes(), ids=[name for name, _, _ in _dict_shapes()]
+)
 def test_index_in_order_reads_every_dict_shape_as_python(impl, name, req_ids, index):
     want = expr(req_ids, index)
     assert impl.index_in_order(req_ids, index) is want
