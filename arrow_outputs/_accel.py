@@ -47,6 +47,7 @@ __all__ = [
     "mask_supports",
     "record_batch",
     "same_items",
+    "sampled_rows",
     "set_pure_python",
     "split_int_lists",
     "str_list",
@@ -80,6 +81,7 @@ mask_supports = _pyspeedups.mask_supports
 int_offsets = _pyspeedups.int_offsets
 same_items = _pyspeedups.same_items
 copy_from_address = _pyspeedups.copy_from_address
+sampled_rows = _pyspeedups.sampled_rows
 record_batch = _pyspeedups.record_batch
 _using_c = False
 
@@ -150,7 +152,7 @@ def set_pure_python(flag: bool) -> None:
     """
     global flatten_int_lists, utf8_array, index_in_order, str_list, split_int_lists, mask_rows
     global int_offsets, same_items, record_batch, _using_c, mask_supports, decode_batch
-    global copy_from_address
+    global copy_from_address, sampled_rows
     impl = _pyspeedups
     if not flag:
         if _compiled is None:
@@ -171,6 +173,7 @@ def set_pure_python(flag: bool) -> None:
     int_offsets = impl.int_offsets
     same_items = impl.same_items
     copy_from_address = impl.copy_from_address
+    sampled_rows = impl.sampled_rows
     record_batch = _pyspeedups.record_batch if flag else _c_record_batch
     decode_batch = None if flag else _c_decode_batch
     _using_c = not flag

@@ -43,6 +43,7 @@ __all__ = [
     "node_of",
     "record_batch",
     "same_items",
+    "sampled_rows",
     "split_int_lists",
     "str_list",
     "utf8_array",
@@ -423,6 +424,56 @@ def mask_rows(
             dest[pos : pos + n] = ids
         pos += n
     return True
+
+
+def sampled_rows(padded: Any, counts: Any, /) -> tuple[bytearray, bytearray | None, int] | None:
+    """The sampled-ids column's buffers from a step's staged host copies, each row trimmed
+    as vLLM's ``del row[count:]`` trims it.
+
+    ``padded``: int64 ``[rows, width]`` (slots past a row's count are never read);
+    ``counts``: int32 ``[rows]``; both C-contiguous, native byte order. Row ``r`` keeps its
+    first ``min(counts[r], width)`` slots.
+
+    Returns
+    -------
+    tuple, or None
+        ``(values, offsets, k)``: int64 ``values`` of every kept slot in row order; when
+        every row keeps the same ``k`` slots (a decode step) ``offsets`` is None (the
+        caller's offsets ``[0, k, 2k, ...]`` apply), else int32 ``offsets`` (``rows + 1``)
+        and ``k == -1``. None for any other input: another type, rank or layout, no rows, a
+        count below 0, more than ``2**31 - 1`` kept slots.
+
+    Examples
+    --------
+    >>> padded = np.array([[5, 0], [7, 8]], np.int64)
+    >>> values, offsets, k = sampled_rows(padded, np.array([1, 2], np.int32))
+    >>> np.frombuffer(values, "<i8").tolist(), np.frombuffer(offsets, "<i4").tolist(), k
+    ([5, 7, 8], [0, 1, 3], -1)
+    >>> sampled_rows(padded, np.array([1, 1], np.int32))[1:]
+    (None, 1)
+    """
+    pad = _int_view(padded, "i", 8, 2)
+    cnt = _int_view(counts, "i", 4, 1)
+    if pad is None or cnt is None:
+        return None
+    rows, width = pad.shape or (0, 0)  # never None: ndim is 2
+    if rows < 1 or len(cnt) != rows:
+        return None
+    lens = np.frombuffer(cnt, "<i4").astype(np.int64)
+    if int(lens.min()) < 0:
+        return None
+    kept = np.minimum(lens, width)
+    total = int(kept.sum())
+    if total > _INT32_MAX:
+        return None
+    matrix = np.frombuffer(pad, "<i8").reshape(rows, width)
+    if int(kept.min()) == int(kept.max()):
+        k = int(kept[0])
+        return bytearray(matrix[:, :k].tobytes()), None, k
+    offsets = np.zeros(rows + 1, "<i4")
+    np.cumsum(kept, out=offsets[1:])
+    values = matrix[np.arange(width) < kept[:, None]]
+    return bytearray(values.tobytes()), bytearray(offsets.tobytes()), -1
 
 
 def same_items(a: Any, b: Any, /) -> bool:

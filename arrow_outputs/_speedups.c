@@ -1290,6 +1290,119 @@ done:
     return result;
 }
 
+/* sampled_rows(padded, counts) -> (values, offsets, k) | None
+ *
+ * The sampled-ids column's buffers from a step's staged host copies, as vLLM's
+ * `del row[count:]` trims each row: padded int64 [rows, width] (C-contiguous; slots past a
+ * row's count are never read) and counts int32 [rows]. Row r keeps its first
+ * min(counts[r], width) slots. Returns values (bytearray, int64: every kept slot in row
+ * order), and either offsets None with k, when every row keeps the same k slots (a decode
+ * step: the caller's cached offsets [0, k, 2k, ...] apply), or offsets (bytearray, int32,
+ * rows + 1) with k = -1. None for anything else: another type, rank or layout, no rows,
+ * a count below 0, more than 2**31 - 1 kept slots. The caller's numpy path then raises the
+ * precise error. */
+static PyObject *
+sampled_rows(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer pbuf, cbuf;
+    int have_p = 0, have_c = 0;
+    PyObject *values = NULL, *offsets = NULL, *result = NULL;
+
+    if (!check_nargs("sampled_rows", nargs, 2)) {
+        return NULL;
+    }
+    if ((have_p = get_ints(args[0], &pbuf, 'i', 8, 2)) < 0 ||
+        (have_p && (have_c = get_ints(args[1], &cbuf, 'i', 4, 1)) < 0)) {
+        goto done;
+    }
+    if (!have_p || !have_c) {
+        goto none;
+    }
+    {
+        Py_ssize_t rows = pbuf.shape[0], width = pbuf.shape[1], total = 0, k = -1;
+        const char *src = (const char *)pbuf.buf, *counts = (const char *)cbuf.buf;
+        char *out;
+        int uniform = 1;
+
+        if (rows < 1 || cbuf.shape[0] != rows) {
+            goto none;
+        }
+        /* Sizes first: total <= rows * width, which the buffer holds, so no overflow. */
+        for (Py_ssize_t r = 0; r < rows; r++) {
+            Py_ssize_t c = load_i32(counts, r);
+            if (c < 0) {
+                goto none;
+            }
+            c = c < width ? c : width;
+            if (r == 0) {
+                k = c;
+            }
+            else if (c != k) {
+                uniform = 0;
+            }
+            total += c;
+        }
+        if (total > INT32_MAX) {
+            goto none;
+        }
+        values = PyByteArray_FromStringAndSize(NULL, total * 8);
+        if (values == NULL) {
+            goto done;
+        }
+        out = PyByteArray_AS_STRING(values);
+        if (uniform) {
+            if (k == width) {
+                if (total > 0) { /* memcpy of 0 bytes may still not be given NULL */
+                    memcpy(out, src, (size_t)total * 8);
+                }
+            }
+            else {
+                for (Py_ssize_t r = 0; r < rows; r++) {
+                    memcpy(out + r * k * 8, src + r * width * 8, (size_t)k * 8);
+                }
+            }
+        }
+        else {
+            /* The fill re-reads each count (another thread may write the caller's buffer)
+             * and stops at the total sized above. */
+            Py_ssize_t at = 0;
+            char *op;
+            offsets = PyByteArray_FromStringAndSize(NULL, (rows + 1) * 4);
+            if (offsets == NULL) {
+                goto done;
+            }
+            op = PyByteArray_AS_STRING(offsets);
+            store_i32(op, 0, 0);
+            for (Py_ssize_t r = 0; r < rows; r++) {
+                Py_ssize_t c = load_i32(counts, r);
+                c = c < 0 ? 0 : (c < width ? c : width);
+                if (c > total - at) {
+                    goto none;
+                }
+                if (c > 0) {
+                    memcpy(out + at * 8, src + r * width * 8, (size_t)c * 8);
+                }
+                at += c;
+                store_i32(op, r + 1, (int32_t)at);
+            }
+            if (at != total) {
+                goto none;
+            }
+            k = -1;
+        }
+        result = Py_BuildValue("(OOn)", values, offsets == NULL ? Py_None : offsets, k);
+    }
+    goto done;
+none:
+    result = Py_NewRef(Py_None);
+done:
+    Py_XDECREF(values);
+    Py_XDECREF(offsets);
+    if (have_p > 0) PyBuffer_Release(&pbuf);
+    if (have_c > 0) PyBuffer_Release(&cbuf);
+    return result;
+}
+
 /* same_items(a, b) -> bool
  *
  * Whether a and b are exact lists of the same length holding the very same objects, in
@@ -2543,6 +2656,10 @@ static PyMethodDef speedups_methods[] = {
      "mask_supports(token_ids, packed_mask, counts, vocab_size, rows_per_request, "
      "num_sampled, /)\n--\n\n"
      "(ids, offsets, cu) bytearrays of sampling-mask supports, or None (see _pyspeedups)."},
+    {"sampled_rows", (PyCFunction)(void (*)(void))sampled_rows, METH_FASTCALL,
+     "sampled_rows(padded, counts, /)\n--\n\n"
+     "(values, offsets, k) of the sampled-ids column from staged host copies, or None (see "
+     "_pyspeedups)."},
     {"same_items", (PyCFunction)(void (*)(void))same_items, METH_FASTCALL,
      "same_items(a, b, /)\n--\n\n"
      "Whether two exact lists hold the same objects in order (see _pyspeedups)."},

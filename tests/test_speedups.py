@@ -41,6 +41,7 @@ FUNCS = (
     "int_offsets",
     "same_items",
     "copy_from_address",
+    "sampled_rows",
 )
 # The whole-batch assembly: node helpers and the batch (pure Python), build_array (C); their
 # tests are in test_speed_assembly.py.
@@ -1300,3 +1301,111 @@ def test_mask_rows_random_buffers_never_crash(seed):
     assert all(g == got[0] for g in got)
     if got[0]:
         assert out.tolist() == c_out.tolist()
+
+
+# ----------------------------------------------------------------------------- sampled_rows
+
+
+def ref_sampled(padded: np.ndarray, counts: list[int]) -> tuple[list[int], list[int]]:
+    """vLLM's trim (``del row[count:]``) of each row, flattened, and its offsets."""
+    rows = [row[:c] for row, c in zip(padded.tolist(), counts)]
+    return list(itertools.chain.from_iterable(rows)), [0, *itertools.accumulate(map(len, rows))]
+
+
+@pytest.mark.parametrize(
+    ("width", "counts"),
+    [
+        (1, [1, 1, 1]),  # a decode step
+        (3, [1, 1]),  # a decode step with spare slots
+        (3, [3, 3]),  # every slot
+        (3, [0, 0]),  # nothing sampled
+        (2, [5, 2, 9]),  # past the row keeps the row: uniform
+        (4, [2, 0, 4, 1]),  # speculative decoding
+        (4, [0, 4, 5]),
+        (0, [0, 3]),  # no slots at all
+    ],
+)
+def test_sampled_rows_trims_as_vllm(impl, width, counts):
+    padded = np.arange(len(counts) * width, dtype=np.int64).reshape(len(counts), width) - 3
+    values, offsets, k = impl.sampled_rows(padded, np.array(counts, np.int32))
+    want_values, want_offsets = ref_sampled(padded, counts)
+    assert np.frombuffer(values, "<i8").tolist() == want_values
+    kept = [min(c, width) for c in counts]
+    if len(set(kept)) == 1:
+        assert (offsets, k) == (None, kept[0])
+    else:
+        assert (i32(offsets), k) == (want_offsets, -1)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "int32_ids",
+        "uint64_ids",
+        "int64_counts",
+        "uint32_counts",
+        "1d_ids",
+        "3d_ids",
+        "2d_counts",
+        "strided_ids",
+        "rows_mismatch",
+        "no_rows",
+        "negative_count",
+        "list_ids",
+        "list_counts",
+        "float_counts",
+    ],
+)
+def test_sampled_rows_refuses(damage):
+    padded = np.arange(6, dtype=np.int64).reshape(3, 2)
+    counts = np.array([1, 2, 1], np.int32)
+    args: list[Any] = [padded, counts]
+    if damage == "int32_ids":
+        args[0] = padded.astype(np.int32)
+    elif damage == "uint64_ids":
+        args[0] = padded.astype(np.uint64)
+    elif damage == "int64_counts":
+        args[1] = counts.astype(np.int64)
+    elif damage == "uint32_counts":
+        args[1] = counts.astype(np.uint32)
+    elif damage == "1d_ids":
+        args[0] = padded.reshape(-1)
+    elif damage == "3d_ids":
+        args[0] = padded.reshape(3, 2, 1)
+    elif damage == "2d_counts":
+        args[1] = counts.reshape(3, 1)
+    elif damage == "strided_ids":
+        args[0] = np.arange(12, dtype=np.int64).reshape(3, 4)[:, ::2]
+    elif damage == "rows_mismatch":
+        args[1] = counts[:2]
+    elif damage == "no_rows":
+        args = [padded[:0], counts[:0]]
+    elif damage == "negative_count":
+        args[1] = np.array([1, -1, 1], np.int32)
+    elif damage == "list_ids":
+        args[0] = padded.tolist()
+    elif damage == "list_counts":
+        args[1] = counts.tolist()
+    elif damage == "float_counts":
+        args[1] = counts.astype(np.float32)
+    assert agree("sampled_rows", *args) is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(1, 6),
+    st.integers(0, 5),
+    st.lists(st.integers(-2, 8), min_size=1, max_size=6),
+)
+def test_sampled_rows_implementations_agree(rows, width, raw_counts):
+    counts = (raw_counts * rows)[:rows]
+    padded = np.arange(rows * width, dtype=np.int64).reshape(rows, width) * -7
+    got = agree("sampled_rows", padded, np.array(counts, np.int32))
+    if min(counts) < 0:
+        assert got is None
+    else:
+        values, offsets, k = got
+        want_values, want_offsets = ref_sampled(padded, counts)
+        assert np.frombuffer(values, "<i8").tolist() == want_values
+        uniform = [k * i for i in range(rows + 1)]
+        assert want_offsets == (uniform if offsets is None else i32(offsets))
