@@ -42,6 +42,7 @@ __all__ = [
     "decode_batch",
     "flatten_int_lists",
     "index_in_order",
+    "int32_head",
     "int_offsets",
     "mask_rows",
     "mask_supports",
@@ -82,6 +83,7 @@ int_offsets = _pyspeedups.int_offsets
 same_items = _pyspeedups.same_items
 copy_from_address = _pyspeedups.copy_from_address
 sampled_rows = _pyspeedups.sampled_rows
+int32_head = _pyspeedups.int32_head
 record_batch = _pyspeedups.record_batch
 _using_c = False
 
@@ -152,7 +154,7 @@ def set_pure_python(flag: bool) -> None:
     """
     global flatten_int_lists, utf8_array, index_in_order, str_list, split_int_lists, mask_rows
     global int_offsets, same_items, record_batch, _using_c, mask_supports, decode_batch
-    global copy_from_address, sampled_rows
+    global copy_from_address, sampled_rows, int32_head
     impl = _pyspeedups
     if not flag:
         if _compiled is None:
@@ -174,6 +176,7 @@ def set_pure_python(flag: bool) -> None:
     same_items = impl.same_items
     copy_from_address = impl.copy_from_address
     sampled_rows = impl.sampled_rows
+    int32_head = impl.int32_head
     record_batch = _pyspeedups.record_batch if flag else _c_record_batch
     decode_batch = None if flag else _c_decode_batch
     _using_c = not flag

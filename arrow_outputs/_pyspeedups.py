@@ -37,6 +37,7 @@ __all__ = [
     "copy_from_address",
     "flatten_int_lists",
     "index_in_order",
+    "int32_head",
     "int_offsets",
     "mask_rows",
     "mask_supports",
@@ -424,6 +425,30 @@ def mask_rows(
             dest[pos : pos + n] = ids
         pos += n
     return True
+
+
+def int32_head(values: Any, n: Any, /) -> bytearray | None:
+    """A copy of the first ``n`` items of a 1-D C-contiguous int32 buffer (a step's staged
+    NaN counts, one per request).
+
+    Returns
+    -------
+    bytearray or None
+        ``n`` little-endian int32 values. None when ``values`` is no such buffer, ``n`` is not
+        an exact int ``>= 0``, or the buffer holds fewer than ``n`` items.
+
+    Examples
+    --------
+    >>> np.frombuffer(int32_head(np.array([4, 0, 7], np.int32), 2), "<i4").tolist()
+    [4, 0]
+    >>> int32_head(np.array([4], np.int32), 2) is None
+    True
+    """
+    count = _exact_int(n, 0, _SSIZE_MAX // 4)
+    view = _int_view(values, "i", 4, 1)
+    if count is None or view is None or len(view) < count:
+        return None
+    return bytearray(view[:count].tobytes())
 
 
 def sampled_rows(padded: Any, counts: Any, /) -> tuple[bytearray, bytearray | None, int] | None:

@@ -1403,6 +1403,38 @@ done:
     return result;
 }
 
+/* int32_head(values, n) -> bytearray | None
+ *
+ * A copy of the first n items of a 1-D C-contiguous int32 buffer (a step's staged NaN counts,
+ * one per request). None when it is not one, n is not an exact int >= 0, or the buffer holds
+ * fewer than n items: the caller's numpy path then does the rest. */
+static PyObject *
+int32_head(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer view;
+    int have, got;
+    Py_ssize_t n = 0;
+    PyObject *result = NULL;
+
+    if (!check_nargs("int32_head", nargs, 2)) {
+        return NULL;
+    }
+    if ((got = exact_int(args[1], 0, PY_SSIZE_T_MAX / 4, &n)) <= 0) {
+        return got < 0 ? NULL : Py_NewRef(Py_None);
+    }
+    if ((have = get_ints(args[0], &view, 'i', 4, 1)) <= 0) {
+        return have < 0 ? NULL : Py_NewRef(Py_None);
+    }
+    if (view.shape[0] < n) {
+        result = Py_NewRef(Py_None);
+    }
+    else {
+        result = PyByteArray_FromStringAndSize(n > 0 ? (const char *)view.buf : NULL, n * 4);
+    }
+    PyBuffer_Release(&view);
+    return result;
+}
+
 /* same_items(a, b) -> bool
  *
  * Whether a and b are exact lists of the same length holding the very same objects, in
@@ -2660,6 +2692,9 @@ static PyMethodDef speedups_methods[] = {
      "sampled_rows(padded, counts, /)\n--\n\n"
      "(values, offsets, k) of the sampled-ids column from staged host copies, or None (see "
      "_pyspeedups)."},
+    {"int32_head", (PyCFunction)(void (*)(void))int32_head, METH_FASTCALL,
+     "int32_head(values, n, /)\n--\n\n"
+     "A copy of a 1-D int32 buffer's first n items, or None (see _pyspeedups)."},
     {"same_items", (PyCFunction)(void (*)(void))same_items, METH_FASTCALL,
      "same_items(a, b, /)\n--\n\n"
      "Whether two exact lists hold the same objects in order (see _pyspeedups)."},

@@ -42,6 +42,7 @@ FUNCS = (
     "same_items",
     "copy_from_address",
     "sampled_rows",
+    "int32_head",
 )
 # The whole-batch assembly: node helpers and the batch (pure Python), build_array (C); their
 # tests are in test_speed_assembly.py.
@@ -1409,3 +1410,35 @@ def test_sampled_rows_implementations_agree(rows, width, raw_counts):
         assert np.frombuffer(values, "<i8").tolist() == want_values
         uniform = [k * i for i in range(rows + 1)]
         assert want_offsets == (uniform if offsets is None else i32(offsets))
+
+
+# ----------------------------------------------------------------------------- int32_head
+
+
+@pytest.mark.parametrize("n", [0, 1, 3, 4])
+def test_int32_head_copies_the_first_items(impl, n):
+    values = np.array([7, -1, 2**31 - 1, -(2**31)], np.int32)
+    got = impl.int32_head(values, n)
+    assert type(got) is bytearray and i32(bytes(got)) == values[:n].tolist()
+    got[:0] = b""  # a copy: the source is not viewed
+    assert values.tolist() == [7, -1, 2**31 - 1, -(2**31)]
+
+
+@pytest.mark.parametrize(
+    ("values", "n"),
+    [
+        (np.array([1, 2], np.int32), 3),  # fewer items than asked for
+        (np.array([1, 2], np.int64), 1),
+        (np.array([1, 2], np.uint32), 1),
+        (np.array([1.0, 2.0], np.float32), 1),
+        (np.array([[1, 2]], np.int32), 1),
+        (np.arange(4, dtype=np.int32)[::2], 1),  # strided
+        ([1, 2], 1),
+        (np.array([1, 2], np.int32), -1),
+        (np.array([1, 2], np.int32), True),
+        (np.array([1, 2], np.int32), 1.0),
+        (np.array([1, 2], np.int32), IntSub(1)),
+    ],
+)
+def test_int32_head_refuses(values, n):
+    assert agree("int32_head", values, n) is None
