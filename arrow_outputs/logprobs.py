@@ -147,7 +147,8 @@ def _buffer(a: np.ndarray) -> pa.Buffer:
 def _positions(
     ids: np.ndarray, lps: np.ndarray, ranks: np.ndarray, inner: np.ndarray, n: int
 ) -> pa.StructArray:
-    """The struct array of ``n`` positions over flat ``ids``/``lps`` with ``inner`` offsets."""
+    """The struct array of ``n`` positions over ``ids``/``lps`` (C-contiguous, read as their
+    flat values) with ``inner`` offsets."""
     id_t = ARROW_INT[dtype_name(ids.dtype)]
     off = _buffer(inner)
     tok = pa.Array.from_buffers(
@@ -219,7 +220,9 @@ def encode_logprobs(
         )
         got = f"{num_pos} positions" if layout["cu"] == "none" else f"{len(outer)} offsets"
         raise ShapeError(f"{field}.cu_num_generated_tokens", expected, got)
-    ids, lps = contiguous(ids).reshape(-1), contiguous(lps).reshape(-1)
+    # C-contiguous [positions, width] matrices are their values' buffers as they are (no
+    # reshape: Arrow reads the bytes, and each view would be one more array per step).
+    ids, lps = contiguous(ids), contiguous(lps)
     if as_node and id_type is not None and rank_type is not None:
         # The dtypes were checked against the run's types above: the node reads as them.
         inner = arange_offsets(num_pos, width)
