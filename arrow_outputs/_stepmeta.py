@@ -6,6 +6,9 @@ stream or file carries per batch). A schema is shared by every batch of a stream
 so step metadata found in a schema is trusted only for the very batch that was made with
 it: :func:`register` remembers the step column buffer that ``to_record_batch`` allocated
 for that batch, and :func:`owns` proves a batch (or a slice of it) still holds that buffer.
+:func:`register_batch` also remembers the batch object itself, so that the batch as it was
+made (the common case: written, published or decoded right away) is recognised by
+:func:`made` without reading its columns.
 
 Everything read from the JSON is untrusted: :func:`parse` checks every key, type and bound
 before any of it is used, and names the metadata path of the first violation.
@@ -26,7 +29,7 @@ import pyarrow as pa
 
 from .errors import StepMetadataError
 
-__all__ = ["owns", "parse", "register"]
+__all__ = ["made", "owns", "parse", "register", "register_batch"]
 
 INT32_MAX = 2**31 - 1
 INT64 = (-(2**63), 2**63 - 1)
@@ -295,6 +298,31 @@ def register(values: np.ndarray, raw: bytes) -> None:
     ref = weakref.ref(values, forget)
     with _LOCK:
         _OWNED[address] = (ref, values.nbytes, raw)
+
+
+# id(batch) -> (weak reference to the batch, its step JSON), for the whole batches
+# to_record_batch returned. No callback: a dead reference never matches (ids are reused only
+# after the batch is gone), and the table is cleared whole when it grows past _MAX_BATCHES
+# (a cleared batch is then proven the slower way, by owns()).
+_BATCHES: dict[int, tuple[weakref.ref[pa.RecordBatch], bytes]] = {}
+_MAX_BATCHES = 256
+
+
+def register_batch(batch: pa.RecordBatch, raw: bytes) -> None:
+    """Remember that ``batch``, as ``to_record_batch`` returns it (a whole step), was made
+    with step metadata ``raw``."""
+    if len(_BATCHES) >= _MAX_BATCHES:
+        _BATCHES.clear()
+    _BATCHES[id(batch)] = (weakref.ref(batch), raw)
+
+
+def made(batch: pa.RecordBatch) -> bytes | None:
+    """The step metadata ``batch`` was made with, when it is the very batch object
+    ``to_record_batch`` returned (and still registered); else None: ask :func:`owns`."""
+    entry = _BATCHES.get(id(batch))
+    if entry is None or entry[0]() is not batch:
+        return None
+    return entry[1]
 
 
 def owns(step_column: pa.Array, raw: bytes) -> bool:

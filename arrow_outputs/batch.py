@@ -1003,7 +1003,9 @@ def _finish(
     _stepmeta.register(identity, raw)
     run_meta = run.metadata.copy()
     run_meta[KEY_STEP] = raw
-    return _accel.record_batch(arrays, schema.with_metadata(run_meta), n)
+    batch = _accel.record_batch(arrays, schema.with_metadata(run_meta), n)
+    _stepmeta.register_batch(batch, raw)
+    return batch
 
 
 def encode_staged_step(
@@ -1166,6 +1168,9 @@ def step_custom_metadata(batch: pa.RecordBatch) -> dict[bytes, bytes]:
     """
     if not isinstance(batch, pa.RecordBatch):
         raise FieldTypeError("batch", "a pyarrow.RecordBatch", describe(batch))
+    raw = _stepmeta.made(batch)
+    if raw is not None:  # the whole batch to_record_batch made: nothing to prove
+        return {KEY_STEP: raw}
     raw = (batch.schema.metadata or {}).get(KEY_STEP)
     if raw is None:
         raise StepMetadataError(
@@ -1195,6 +1200,9 @@ _HOW = (
 
 
 def _owned(batch: pa.RecordBatch, raw: bytes) -> bool:
+    known = _stepmeta.made(batch)
+    if known is not None:
+        return known == raw
     return batch.num_columns > 0 and _stepmeta.owns(batch.column(_AT["step"]), raw)
 
 

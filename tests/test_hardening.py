@@ -109,6 +109,39 @@ def test_step_custom_metadata_refuses_inherited_schema() -> None:
         ao.step_custom_metadata(batches[0].slice(1))
 
 
+def test_the_batch_object_to_record_batch_made_is_known_by_identity_only() -> None:
+    from arrow_outputs import _stepmeta
+
+    batch = ao.to_record_batch(_out(), step=3)
+    raw = batch.schema.metadata[b"arrow_outputs.step"]
+    assert _stepmeta.made(batch) == raw
+    assert ao.step_custom_metadata(batch) == {b"arrow_outputs.step": raw}
+    # Other objects over the same data are proven by their step column, as before.
+    same = pa.RecordBatch.from_arrays(batch.columns, schema=batch.schema)
+    assert _stepmeta.made(same) is None
+    assert ao.step_custom_metadata(same) == {b"arrow_outputs.step": raw}
+    assert _stepmeta.made(batch.slice(1)) is None
+    # An entry whose batch is gone never matches another object that got its id.
+    other = pa.record_batch([pa.array([1])], names=["x"])
+    gone = pa.record_batch([pa.array([2])], names=["y"])
+    dead = _stepmeta.weakref.ref(gone)
+    del gone
+    _stepmeta._BATCHES[id(other)] = (dead, raw)
+    assert _stepmeta.made(other) is None
+    del _stepmeta._BATCHES[id(other)]
+
+
+def test_batches_forgotten_by_identity_are_still_proven_by_their_step_column() -> None:
+    from arrow_outputs import _stepmeta
+
+    first = ao.to_record_batch(_out(), step=1)
+    later = [ao.to_record_batch(_out(), step=s) for s in range(_stepmeta._MAX_BATCHES + 1)]
+    assert _stepmeta.made(first) is None  # the table was cleared on the way
+    assert ao.step_custom_metadata(first)[b"arrow_outputs.step"].startswith(b'{"step":1,')
+    assert ao.from_record_batch(first).req_ids == _out().req_ids
+    assert _stepmeta.made(later[-1]) is not None
+
+
 def test_from_record_batch_missing_metadata_defaults_is_opt_in() -> None:
     out = _out(num_nans_in_logits={"r0": 0})
     batch = ao.to_record_batch(out, step=4)
