@@ -216,6 +216,8 @@ def check_format(schema: pa.Schema) -> dict[bytes, bytes]:
     builds a new dict: a caller that needs other keys reuses this one).
     """
     meta = schema.metadata or {}
+    if meta.get(KEY_VERSION) in _READABLE and meta.get(KEY_FORMAT) == _FORMAT_NAME_B:
+        return meta  # a version this reader has accepted before (checked in full below)
     name = meta.get(KEY_FORMAT)
     if name != FORMAT_NAME.encode():
         raise SchemaMismatchError(
@@ -237,7 +239,14 @@ def check_format(schema: pa.Schema) -> dict[bytes, bytes]:
             f"{FORMAT_VERSION}; upgrade arrow_outputs to read it)",
             version,
         )
+    if len(_READABLE) < 16:
+        _READABLE.add(meta[KEY_VERSION])
     return meta
+
+
+# Version strings check_format accepted, as bytes (a run's every batch carries the same one).
+_READABLE: set[bytes] = set()
+_FORMAT_NAME_B = FORMAT_NAME.encode()
 
 
 def column_types(schema: pa.Schema) -> ColumnTypes:

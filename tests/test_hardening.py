@@ -18,12 +18,14 @@ import arrow_outputs as ao
 from arrow_outputs import (
     ConsistencyError,
     FieldTypeError,
+    FormatVersionError,
     KVConnectorOutput,
     ModelRunnerOutput,
     SchemaMismatchError,
     StepMetadataError,
     UnsupportedValueError,
 )
+from arrow_outputs.schema import check_format
 
 # Every test here runs on the C accelerator and on the pure-Python path.
 pytestmark = pytest.mark.usefixtures("codec_path")
@@ -140,6 +142,47 @@ def test_batches_forgotten_by_identity_are_still_proven_by_their_step_column() -
     assert ao.step_custom_metadata(first)[b"arrow_outputs.step"].startswith(b'{"step":1,')
     assert ao.from_record_batch(first).req_ids == _out().req_ids
     assert _stepmeta.made(later[-1]) is not None
+
+
+def test_run_schemas_that_differ_only_in_field_metadata_keep_their_own_types() -> None:
+    from arrow_outputs import batch as batch_mod
+    from arrow_outputs.schema import ColumnTypes, TensorSpec
+
+    def types_of(dtype: str) -> ColumnTypes:
+        schema = ao.output_schema(ColumnTypes(pooler_output=TensorSpec(dtype, 1)))
+        return batch_mod._decode_types(schema, schema.metadata)
+
+    # bfloat16 and uint16 columns have the same Arrow type; only field metadata tells them
+    # apart, and a run schema (no step key) is looked up whole, metadata and all.
+    assert types_of("bfloat16").pooler_output.dtype == "bfloat16"
+    assert types_of("uint16").pooler_output.dtype == "uint16"
+    assert types_of("bfloat16").pooler_output.dtype == "bfloat16"
+
+
+def test_check_format_remembers_versions_not_formats() -> None:
+    good = ao.output_schema()
+    check_format(good)  # the version is remembered as readable
+    other = good.with_metadata({**good.metadata, b"arrow_outputs.format": b"another.format"})
+    with pytest.raises(SchemaMismatchError, match=r"arrow_outputs\.format"):
+        check_format(other)
+    newer = good.with_metadata({**good.metadata, b"arrow_outputs.version": b"9.0"})
+    with pytest.raises(FormatVersionError):
+        check_format(newer)
+
+
+def test_custom_metadata_as_key_value_metadata_reads_like_any_mapping() -> None:
+    from arrow_outputs import batch as batch_mod
+
+    key = b"arrow_outputs.step"
+    pairs = [(b"x", b"1"), (key, b"first"), (key, b"last")]
+
+    class Pairs:
+        def items(self) -> list[tuple[bytes, bytes]]:
+            return pairs
+
+    assert batch_mod._custom_raw(pa.KeyValueMetadata(pairs)) == b"last"
+    assert batch_mod._custom_raw(Pairs()) == b"last"
+    assert batch_mod._custom_raw(pa.KeyValueMetadata([(b"x", b"1")])) is None
 
 
 def test_from_record_batch_missing_metadata_defaults_is_opt_in() -> None:
