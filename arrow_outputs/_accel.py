@@ -46,6 +46,7 @@ __all__ = [
     "int_offsets",
     "mask_rows",
     "mask_supports",
+    "message_custom_metadata",
     "record_batch",
     "same_items",
     "sampled_rows",
@@ -84,6 +85,7 @@ same_items = _pyspeedups.same_items
 copy_from_address = _pyspeedups.copy_from_address
 sampled_rows = _pyspeedups.sampled_rows
 int32_head = _pyspeedups.int32_head
+message_custom_metadata = _pyspeedups.message_custom_metadata
 record_batch = _pyspeedups.record_batch
 _using_c = False
 
@@ -154,7 +156,7 @@ def set_pure_python(flag: bool) -> None:
     """
     global flatten_int_lists, utf8_array, index_in_order, str_list, split_int_lists, mask_rows
     global int_offsets, same_items, record_batch, _using_c, mask_supports, decode_batch
-    global copy_from_address, sampled_rows, int32_head
+    global copy_from_address, sampled_rows, int32_head, message_custom_metadata
     impl = _pyspeedups
     if not flag:
         if _compiled is None:
@@ -177,6 +179,7 @@ def set_pure_python(flag: bool) -> None:
     copy_from_address = impl.copy_from_address
     sampled_rows = impl.sampled_rows
     int32_head = impl.int32_head
+    message_custom_metadata = impl.message_custom_metadata
     record_batch = _pyspeedups.record_batch if flag else _c_record_batch
     decode_batch = None if flag else _c_decode_batch
     _using_c = not flag

@@ -26,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 import operator
+import struct
 import sys
 from typing import Any
 
@@ -41,6 +42,7 @@ __all__ = [
     "int_offsets",
     "mask_rows",
     "mask_supports",
+    "message_custom_metadata",
     "node_of",
     "record_batch",
     "same_items",
@@ -449,6 +451,94 @@ def int32_head(values: Any, n: Any, /) -> bytearray | None:
     if count is None or view is None or len(view) < count:
         return None
     return bytearray(view[:count].tobytes())
+
+
+_U16 = struct.Struct("<H").unpack_from
+_U32 = struct.Struct("<I").unpack_from
+_I32 = struct.Struct("<i").unpack_from
+# Message.fbs: version (0), header_type (1), header (2), bodyLength (3), custom_metadata (4).
+_MESSAGE_CUSTOM_METADATA = 4
+
+
+def custom_metadata_pairs(meta: Any) -> list[tuple[bytes, bytes]]:
+    """The ``custom_metadata`` entries of an Arrow IPC ``Message`` flatbuffer (``meta``: its
+    bytes, ``pyarrow.ipc.Message.metadata``), every offset checked against the bytes.
+
+    Raises ``struct.error`` naming the first thing out of bounds: read past the end
+    (``unpack_from`` raises), a vtable before the start, a count or a string longer than
+    the bytes left, an entry without its key or value. Every position is a sum of unsigned
+    fields but the vtables', which are checked to be >= 0 (a negative position would count
+    from the end). :func:`message_custom_metadata` is the walk's form of it (None instead of
+    an exception); a caller raises its own error with this one's message."""
+    size = len(meta)
+    (table,) = _U32(meta, 0)
+    vtable = table - _I32(meta, table)[0]
+    if vtable < 0:
+        raise struct.error("vtable before the buffer")
+    (vsize,) = _U16(meta, vtable)
+    slot = 4 + 2 * _MESSAGE_CUSTOM_METADATA
+    off = _U16(meta, vtable + slot)[0] if slot + 2 <= vsize else 0
+    if not off:
+        return []
+    at = table + off
+    vec = at + _U32(meta, at)[0]
+    (count,) = _U32(meta, vec)
+    if count > (size - vec - 4) // 4:
+        raise struct.error(f"{count} entries")
+    out = []
+    for item in range(vec + 4, vec + 4 + 4 * count, 4):
+        kv = item + _U32(meta, item)[0]
+        vtable = kv - _I32(meta, kv)[0]
+        if vtable < 0:
+            raise struct.error("vtable before the buffer")
+        (vsize,) = _U16(meta, vtable)
+        pair = []
+        for slot in (4, 6):  # key (field 0), value (field 1): both required by Arrow
+            off = _U16(meta, vtable + slot)[0] if slot + 2 <= vsize else 0
+            if not off:
+                raise struct.error("a custom_metadata entry without its key or value")
+            at = kv + off
+            start = at + _U32(meta, at)[0] + 4
+            (n,) = _U32(meta, start - 4)
+            if n > size - start:
+                raise struct.error(f"a string of {n} bytes")
+            pair.append(bytes(meta[start : start + n]))
+        out.append((pair[0], pair[1]))
+    return out
+
+
+def message_custom_metadata(meta: Any, /) -> list[tuple[bytes, bytes]] | None:
+    """The ``custom_metadata`` (key, value) pairs of an IPC ``Message`` flatbuffer: the bytes
+    of a C-contiguous buffer, read as :func:`custom_metadata_pairs` reads them.
+
+    Returns
+    -------
+    list of (bytes, bytes) or None
+        The entries in order (``[]`` when the message has none). None when ``meta`` is no
+        buffer, or anything in it is out of bounds: the caller asks
+        :func:`custom_metadata_pairs` what.
+
+    Examples
+    --------
+    >>> import pyarrow as pa
+    >>> sink = pa.BufferOutputStream()
+    >>> batch = pa.record_batch([pa.array([1])], names=["x"])
+    >>> with pa.ipc.new_stream(sink, batch.schema) as w:
+    ...     w.write_batch(batch, custom_metadata={b"k": b"v"})
+    >>> reader = pa.BufferReader(sink.getvalue())
+    >>> _ = pa.ipc.read_message(reader)  # the schema message
+    >>> message_custom_metadata(pa.ipc.read_message(reader).metadata)
+    [(b'k', b'v')]
+    >>> message_custom_metadata(b"1") is None  # too short for a flatbuffer
+    True
+    """
+    raw = _raw_bytes(meta)
+    if raw is None:
+        return None
+    try:
+        return custom_metadata_pairs(raw.data)
+    except struct.error:
+        return None
 
 
 def sampled_rows(padded: Any, counts: Any, /) -> tuple[bytearray, bytearray | None, int] | None:

@@ -1290,6 +1290,171 @@ done:
     return result;
 }
 
+/* message_custom_metadata(meta) -> list | None
+ *
+ * The custom_metadata (key, value) pairs of an Arrow IPC Message flatbuffer (the bytes of
+ * pyarrow.ipc.Message.metadata, from a shared-memory slot: untrusted), as
+ * _pyspeedups.custom_metadata_pairs reads them. Every read is bounds-checked; positions are
+ * int64 sums of at most four 32-bit fields, so they never overflow. None when meta is no
+ * buffer or anything is out of bounds (the caller asks the specification what). */
+static int
+fb_u16(const uint8_t *b, int64_t size, int64_t pos, int64_t *out)
+{
+    if (pos < 0 || pos + 2 > size) {
+        return 0;
+    }
+    *out = (int64_t)b[pos] | ((int64_t)b[pos + 1] << 8);
+    return 1;
+}
+
+static int
+fb_u32(const uint8_t *b, int64_t size, int64_t pos, int64_t *out)
+{
+    uint32_t v;
+    if (pos < 0 || pos + 4 > size) {
+        return 0;
+    }
+    v = (uint32_t)b[pos] | ((uint32_t)b[pos + 1] << 8) | ((uint32_t)b[pos + 2] << 16) |
+        ((uint32_t)b[pos + 3] << 24);
+    *out = (int64_t)v;
+    return 1;
+}
+
+static int
+fb_i32(const uint8_t *b, int64_t size, int64_t pos, int64_t *out)
+{
+    int64_t u;
+    if (!fb_u32(b, size, pos, &u)) {
+        return 0;
+    }
+    *out = u >= ((int64_t)1 << 31) ? u - ((int64_t)1 << 32) : u;
+    return 1;
+}
+
+/* The table's field `slot` offset (0 when the vtable is too short to hold it): 1, or 0 when
+ * a read is out of bounds. */
+static int
+fb_field(const uint8_t *b, int64_t size, int64_t vtable, int64_t vsize, int64_t slot,
+         int64_t *off)
+{
+    if (slot + 2 > vsize) {
+        *off = 0;
+        return 1;
+    }
+    return fb_u16(b, size, vtable + slot, off);
+}
+
+/* The vtable of the table at `table` and its size: 1, or 0 when out of bounds. */
+static int
+fb_vtable(const uint8_t *b, int64_t size, int64_t table, int64_t *vtable, int64_t *vsize)
+{
+    int64_t rel;
+    if (!fb_i32(b, size, table, &rel)) {
+        return 0;
+    }
+    *vtable = table - rel;
+    return *vtable >= 0 && fb_u16(b, size, *vtable, vsize);
+}
+
+/* The string a table's field points to (field offset `off`, non-zero), as new bytes; NULL
+ * with no exception when out of bounds, NULL with one on error. */
+static PyObject *
+fb_string(const uint8_t *b, int64_t size, int64_t table, int64_t off)
+{
+    int64_t at = table + off, rel, n;
+    if (!fb_u32(b, size, at, &rel) || !fb_u32(b, size, at + rel, &n) ||
+        n > size - (at + rel + 4)) {
+        return NULL;
+    }
+    return PyBytes_FromStringAndSize((const char *)b + at + rel + 4, (Py_ssize_t)n);
+}
+
+static PyObject *
+message_custom_metadata(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer view;
+    const uint8_t *b;
+    int64_t size, table, vtable, vsize, off, vec, count;
+    PyObject *out = NULL;
+    int have;
+
+    if (!check_nargs("message_custom_metadata", nargs, 1)) {
+        return NULL;
+    }
+    if ((have = get_bytes(args[0], &view)) <= 0) {
+        return have < 0 ? NULL : Py_NewRef(Py_None);
+    }
+    b = view.buf;
+    size = (int64_t)view.len;
+    if (!fb_u32(b, size, 0, &table) || !fb_vtable(b, size, table, &vtable, &vsize) ||
+        !fb_field(b, size, vtable, vsize, 4 + 2 * 4, &off)) {
+        goto none;
+    }
+    if (off == 0) {
+        out = PyList_New(0);
+        goto done;
+    }
+    if (!fb_u32(b, size, table + off, &vec)) {
+        goto none;
+    }
+    vec += table + off;
+    if (!fb_u32(b, size, vec, &count) || count > (size - vec - 4) / 4) {
+        goto none;
+    }
+    out = PyList_New((Py_ssize_t)count);
+    if (out == NULL) {
+        goto done;
+    }
+    for (int64_t i = 0; i < count; i++) {
+        int64_t item = vec + 4 + 4 * i, rel, kv, key_off, value_off;
+        PyObject *key, *value, *pair;
+        if (!fb_u32(b, size, item, &rel)) {
+            goto none;
+        }
+        kv = item + rel;
+        if (!fb_vtable(b, size, kv, &vtable, &vsize) ||
+            !fb_field(b, size, vtable, vsize, 4, &key_off) || key_off == 0) {
+            goto none;
+        }
+        key = fb_string(b, size, kv, key_off);
+        if (key == NULL) {
+            goto fail_or_none;
+        }
+        if (!fb_field(b, size, vtable, vsize, 6, &value_off) || value_off == 0) {
+            Py_DECREF(key);
+            goto none;
+        }
+        value = fb_string(b, size, kv, value_off);
+        if (value == NULL) {
+            Py_DECREF(key);
+            goto fail_or_none;
+        }
+        pair = PyTuple_New(2);
+        if (pair == NULL) {
+            Py_DECREF(key);
+            Py_DECREF(value);
+            goto fail;
+        }
+        PyTuple_SET_ITEM(pair, 0, key);
+        PyTuple_SET_ITEM(pair, 1, value);
+        PyList_SET_ITEM(out, (Py_ssize_t)i, pair);
+    }
+    goto done;
+fail_or_none:
+    if (!PyErr_Occurred()) {
+        goto none;
+    }
+fail:
+    Py_CLEAR(out);
+    goto done;
+none:
+    Py_XDECREF(out);
+    out = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&view);
+    return out;
+}
+
 /* sampled_rows(padded, counts) -> (values, offsets, k) | None
  *
  * The sampled-ids column's buffers from a step's staged host copies, as vLLM's
@@ -2692,6 +2857,10 @@ static PyMethodDef speedups_methods[] = {
      "sampled_rows(padded, counts, /)\n--\n\n"
      "(values, offsets, k) of the sampled-ids column from staged host copies, or None (see "
      "_pyspeedups)."},
+    {"message_custom_metadata", (PyCFunction)(void (*)(void))message_custom_metadata,
+     METH_FASTCALL,
+     "message_custom_metadata(meta, /)\n--\n\n"
+     "The custom_metadata pairs of an IPC Message flatbuffer, or None (see _pyspeedups)."},
     {"int32_head", (PyCFunction)(void (*)(void))int32_head, METH_FASTCALL,
      "int32_head(values, n, /)\n--\n\n"
      "A copy of a 1-D int32 buffer's first n items, or None (see _pyspeedups)."},

@@ -1488,8 +1488,8 @@ class _FastPlan(NamedTuple):
 
 
 # Parsed step JSON shares its layout objects between steps of one shape (_stepmeta), so a
-# plan is found by their identity: (layouts, types) are kept with it so that ids are never
-# reused while it is cached.
+# plan is found by their identity: (layouts, types) are kept with it, alive, so a key's ids
+# are those very objects' (a live object's id is never another's).
 _PLANS: dict[tuple[int, ...], tuple[tuple[Any, ...], ColumnTypes, _FastPlan | None]] = {}
 
 
@@ -1497,7 +1497,7 @@ def _fast_plan(meta: dict[str, Any], types: ColumnTypes) -> _FastPlan | None:
     layouts = _LAYOUTS_OF(meta)
     key = (id(types), *map(id, layouts))
     hit = _PLANS.get(key)
-    if hit is not None and hit[1] is types and all(map(operator.is_, hit[0], layouts)):
+    if hit is not None:
         return hit[2]
     plan = _make_plan(meta, types)
     if len(_PLANS) >= 64:

@@ -43,6 +43,7 @@ FUNCS = (
     "copy_from_address",
     "sampled_rows",
     "int32_head",
+    "message_custom_metadata",
 )
 # The whole-batch assembly: node helpers and the batch (pure Python), build_array (C); their
 # tests are in test_speed_assembly.py.
@@ -1443,3 +1444,73 @@ def test_int32_head_copies_the_first_items(impl, n):
 )
 def test_int32_head_refuses(values, n):
     assert agree("int32_head", values, n) is None
+
+
+# ------------------------------------------------------------------ message_custom_metadata
+
+
+def _message_flatbuffer(custom: dict[bytes, bytes] | None) -> bytes:
+    """The flatbuffer of a record-batch message pyarrow wrote with ``custom``."""
+    batch = pa.record_batch([pa.array([1, 2])], names=["x"])
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, batch.schema) as w:
+        w.write_batch(batch, custom_metadata=custom)
+    reader = pa.BufferReader(sink.getvalue())
+    pa.ipc.read_message(reader)  # the schema message
+    return pa.ipc.read_message(reader).metadata.to_pybytes()
+
+
+CUSTOMS = [
+    None,
+    {b"arrow_outputs.step": b'{"step":1,"rows":2}'},
+    {b"": b"", b"k": b"v" * 3000, b"\x00\xff": b"\x80"},
+    {f"key{i}".encode(): bytes([i]) * i for i in range(40)},
+]
+
+
+@pytest.mark.parametrize("custom", CUSTOMS)
+def test_message_custom_metadata_reads_what_pyarrow_wrote(impl, custom):
+    meta = _message_flatbuffer(custom)
+    want = list((custom or {}).items())
+    assert impl.message_custom_metadata(meta) == want
+    assert impl.message_custom_metadata(pa.py_buffer(meta)) == want  # any buffer
+    assert impl.message_custom_metadata(np.frombuffer(meta, np.uint8)) == want
+
+
+@pytest.mark.parametrize(
+    "meta",
+    [
+        b"",
+        b"\x00",
+        b"\xff\xff\xff\x7f\x00\x00\x00\x00",  # a table past the end
+        b"\x04\x00\x00\x00\x08\x00\x00\x00",  # a vtable before the start
+        "not a buffer",
+        None,
+        np.zeros(16, np.uint8)[::2],  # not C-contiguous
+    ],
+)
+def test_message_custom_metadata_refuses(meta):
+    assert agree("message_custom_metadata", meta) is None
+
+
+def test_message_custom_metadata_every_truncation_agrees():
+    meta = _message_flatbuffer(CUSTOMS[2])
+    for cut in range(len(meta)):
+        got = agree("message_custom_metadata", meta[:cut])
+        assert got is None or all(type(k) is bytes and type(v) is bytes for k, v in got)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.sampled_from(range(1, len(CUSTOMS))),
+    st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), min_size=1, max_size=6),
+)
+def test_message_custom_metadata_mutations_agree(which, edits):
+    """Bytes of a real message with a few changed: both give the same pairs, or both None;
+    nothing read outside the bytes (each pair is within them)."""
+    meta = bytearray(_message_flatbuffer(CUSTOMS[which]))
+    for at, value in edits:
+        meta[at % len(meta)] = value
+    got = agree("message_custom_metadata", bytes(meta))
+    if got is not None:
+        assert sum(len(k) + len(v) for k, v in got) <= len(meta)
