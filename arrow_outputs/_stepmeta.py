@@ -29,7 +29,7 @@ import pyarrow as pa
 
 from .errors import StepMetadataError
 
-__all__ = ["made", "owns", "parse", "register", "register_batch"]
+__all__ = ["made", "made_with", "owns", "parse", "register", "register_batch"]
 
 INT32_MAX = 2**31 - 1
 INT64 = (-(2**63), 2**63 - 1)
@@ -300,29 +300,37 @@ def register(values: np.ndarray, raw: bytes) -> None:
         _OWNED[address] = (ref, values.nbytes, raw)
 
 
-# id(batch) -> (weak reference to the batch, its step JSON), for the whole batches
-# to_record_batch returned. No callback: a dead reference never matches (ids are reused only
-# after the batch is gone), and the table is cleared whole when it grows past _MAX_BATCHES
-# (a cleared batch is then proven the slower way, by owns()).
-_BATCHES: dict[int, tuple[weakref.ref[pa.RecordBatch], bytes]] = {}
+# id(batch) -> (weak reference to the batch, its step JSON, what its maker knew of it), for
+# the whole batches to_record_batch returned. No callback: a dead reference never matches (ids
+# are reused only after the batch is gone), and the table is cleared whole when it grows past
+# _MAX_BATCHES (a cleared batch is then proven the slower way, by owns()).
+_BATCHES: dict[int, tuple[weakref.ref[pa.RecordBatch], bytes, Any]] = {}
 _MAX_BATCHES = 256
 
 
-def register_batch(batch: pa.RecordBatch, raw: bytes) -> None:
+def register_batch(batch: pa.RecordBatch, raw: bytes, known: Any = None) -> None:
     """Remember that ``batch``, as ``to_record_batch`` returns it (a whole step), was made
-    with step metadata ``raw``."""
+    with step metadata ``raw``; ``known``: what the maker knew of its schema (the run's
+    column types), handed back by :func:`made_with`."""
     if len(_BATCHES) >= _MAX_BATCHES:
         _BATCHES.clear()
-    _BATCHES[id(batch)] = (weakref.ref(batch), raw)
+    _BATCHES[id(batch)] = (weakref.ref(batch), raw, known)
+
+
+def made_with(batch: pa.RecordBatch) -> tuple[bytes, Any] | None:
+    """(step metadata, ``known``) that ``batch`` was registered with, when it is the very
+    batch object ``to_record_batch`` returned (and still registered); else None."""
+    entry = _BATCHES.get(id(batch))
+    if entry is None or entry[0]() is not batch:
+        return None
+    return entry[1], entry[2]
 
 
 def made(batch: pa.RecordBatch) -> bytes | None:
     """The step metadata ``batch`` was made with, when it is the very batch object
     ``to_record_batch`` returned (and still registered); else None: ask :func:`owns`."""
-    entry = _BATCHES.get(id(batch))
-    if entry is None or entry[0]() is not batch:
-        return None
-    return entry[1]
+    got = made_with(batch)
+    return None if got is None else got[0]
 
 
 def owns(step_column: pa.Array, raw: bytes) -> bool:

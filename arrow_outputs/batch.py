@@ -1017,7 +1017,7 @@ def _finish(
     run_meta = run.metadata.copy()
     run_meta[KEY_STEP] = raw
     batch = _accel.record_batch(arrays, schema.with_metadata(run_meta), n)
-    _stepmeta.register_batch(batch, raw)
+    _stepmeta.register_batch(batch, raw, run.types)
     return batch
 
 
@@ -1647,9 +1647,16 @@ def from_record_batch(
     """
     if not isinstance(batch, pa.RecordBatch):
         raise FieldTypeError("batch", "a pyarrow.RecordBatch", describe(batch))
-    schema = batch.schema
-    schema_meta = check_format(schema)  # every batch: the run cache below ignores metadata
-    types = _decode_types(schema, schema_meta)
+    known = _stepmeta.made_with(batch)
+    if known is None:
+        schema = batch.schema
+        schema_meta = check_format(schema)  # every batch: the run cache below ignores metadata
+        types = _decode_types(schema, schema_meta)
+    else:
+        # The very batch to_record_batch made: its schema is the run's (checked when the run
+        # was first used) with this step key, so its format and types are the run's.
+        raw, types = known
+        schema_meta = {KEY_STEP: raw}
     meta, head_slice_ok = _resolve(batch, custom_metadata, missing_step_metadata, schema_meta)
     allowed = allow_list(classes)
     if validate not in (True, False):
