@@ -301,11 +301,19 @@ def register(values: np.ndarray, raw: bytes) -> None:
 
 
 # id(batch) -> (weak reference to the batch, its step JSON, what its maker knew of it), for
-# the whole batches to_record_batch returned. No callback: a dead reference never matches (ids
-# are reused only after the batch is gone), and the table is cleared whole when it grows past
-# _MAX_BATCHES (a cleared batch is then proven the slower way, by owns()).
+# the whole batches to_record_batch returned. No callback (it would cost every batch's release):
+# a dead reference never matches (ids are reused only after the batch is gone), and when the
+# table reaches _MAX_BATCHES its dead entries go; should live ones still fill half of it, it is
+# cleared whole (a batch no longer registered is proven the slower way, by owns()).
 _BATCHES: dict[int, tuple[weakref.ref[pa.RecordBatch], bytes, Any]] = {}
-_MAX_BATCHES = 256
+_MAX_BATCHES = 1024
+
+
+def _prune() -> None:
+    live = [(k, v) for k, v in list(_BATCHES.items()) if v[0]() is not None]
+    _BATCHES.clear()
+    if len(live) < _MAX_BATCHES // 2:
+        _BATCHES.update(live)
 
 
 def register_batch(batch: pa.RecordBatch, raw: bytes, known: Any = None) -> None:
@@ -313,7 +321,7 @@ def register_batch(batch: pa.RecordBatch, raw: bytes, known: Any = None) -> None
     with step metadata ``raw``; ``known``: what the maker knew of its schema (the run's
     column types), handed back by :func:`made_with`."""
     if len(_BATCHES) >= _MAX_BATCHES:
-        _BATCHES.clear()
+        _prune()
     _BATCHES[id(batch)] = (weakref.ref(batch), raw, known)
 
 

@@ -144,6 +144,19 @@ def test_batches_forgotten_by_identity_are_still_proven_by_their_step_column() -
     assert _stepmeta.made(later[-1]) is not None
 
 
+def test_batches_kept_alive_stay_known_while_the_dropped_ones_are_forgotten() -> None:
+    from arrow_outputs import _stepmeta
+
+    _stepmeta._BATCHES.clear()
+    kept = [ao.to_record_batch(_out(), step=s) for s in range(3)]
+    dropped = [ao.to_record_batch(_out(), step=s) for s in range(_stepmeta._MAX_BATCHES - 3)]
+    assert len(_stepmeta._BATCHES) == _stepmeta._MAX_BATCHES
+    del dropped
+    ao.to_record_batch(_out(), step=0)  # a full table: its dead entries go
+    assert len(_stepmeta._BATCHES) < _stepmeta._MAX_BATCHES // 2
+    assert all(_stepmeta.made(b) is not None for b in kept)  # the live ones stay
+
+
 def test_run_schemas_that_differ_only_in_field_metadata_keep_their_own_types() -> None:
     from arrow_outputs import batch as batch_mod
     from arrow_outputs.schema import ColumnTypes, TensorSpec
