@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 import weakref
 from collections.abc import Callable
 from functools import lru_cache
@@ -274,54 +273,50 @@ def shared_layout(**items: Any) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------- ownership
 
-# step column buffer address -> (weak reference to its numpy array, size, step JSON)
-_OWNED: dict[int, tuple[weakref.ref[np.ndarray], int, bytes]] = {}
-_LOCK = threading.Lock()
+
+# step column buffer address -> (weak reference to its numpy array, size, step JSON). No
+# callback (it would cost every batch's release): an entry whose array is gone never matches,
+# a new array at the same address replaces it, and a full table drops its dead entries
+# (_Table.make_room). Single dict operations only, atomic under the GIL.
+class _Table(dict[int, tuple[Any, ...]]):
+    """Entries whose first item is a weak reference. When it reaches its limit it drops the
+    dead ones and never a live one; the limit then becomes twice the live entries (at least
+    ``floor``), so pruning costs O(1) per entry added however many stay alive."""
+
+    def __init__(self, floor: int) -> None:
+        super().__init__()
+        self.floor = self.limit = floor
+
+    def make_room(self) -> None:
+        if len(self) >= self.limit:
+            live = [(k, v) for k, v in list(self.items()) if v[0]() is not None]
+            self.clear()
+            self.update(live)
+            self.limit = max(self.floor, 2 * len(live))
 
 
-def _forget(address: int, ref: weakref.ref[np.ndarray]) -> None:
-    with _LOCK:
-        entry = _OWNED.get(address)
-        if entry is not None and entry[0] is ref:
-            del _OWNED[address]
+_OWNED = _Table(1024)
 
 
 def register(values: np.ndarray, raw: bytes) -> None:
     """Remember that step metadata ``raw`` belongs to the batch whose step column owns
-    ``values`` (a fresh array per batch). The entry goes when the array is freed."""
+    ``values`` (a fresh array per batch), for as long as the array lives."""
+    _OWNED.make_room()
     # pyarrow's address of the array's memory: a quarter of the cost of __array_interface__.
-    address = pa.py_buffer(values).address
-
-    def forget(r: weakref.ref[np.ndarray]) -> None:
-        _forget(address, r)
-
-    ref = weakref.ref(values, forget)
-    with _LOCK:
-        _OWNED[address] = (ref, values.nbytes, raw)
+    _OWNED[pa.py_buffer(values).address] = (weakref.ref(values), values.nbytes, raw)
 
 
 # id(batch) -> (weak reference to the batch, its step JSON, what its maker knew of it), for
-# the whole batches to_record_batch returned. No callback (it would cost every batch's release):
-# a dead reference never matches (ids are reused only after the batch is gone), and when the
-# table reaches _MAX_BATCHES its dead entries go; should live ones still fill half of it, it is
-# cleared whole (a batch no longer registered is proven the slower way, by owns()).
-_BATCHES: dict[int, tuple[weakref.ref[pa.RecordBatch], bytes, Any]] = {}
-_MAX_BATCHES = 1024
-
-
-def _prune() -> None:
-    live = [(k, v) for k, v in list(_BATCHES.items()) if v[0]() is not None]
-    _BATCHES.clear()
-    if len(live) < _MAX_BATCHES // 2:
-        _BATCHES.update(live)
+# the whole batches to_record_batch returned; a dead reference never matches (ids are reused
+# only after the batch is gone). Same table as _OWNED.
+_BATCHES = _Table(1024)
 
 
 def register_batch(batch: pa.RecordBatch, raw: bytes, known: Any = None) -> None:
     """Remember that ``batch``, as ``to_record_batch`` returns it (a whole step), was made
     with step metadata ``raw``; ``known``: what the maker knew of its schema (the run's
     column types), handed back by :func:`made_with`."""
-    if len(_BATCHES) >= _MAX_BATCHES:
-        _prune()
+    _BATCHES.make_room()
     _BATCHES[id(batch)] = (weakref.ref(batch), raw, known)
 
 
@@ -352,8 +347,7 @@ def owns(step_column: pa.Array, raw: bytes) -> bool:
     buf = buffers[1] if len(buffers) > 1 else None
     if buf is None:
         return False
-    with _LOCK:
-        entry = _OWNED.get(buf.address)
+    entry = _OWNED.get(buf.address)
     if entry is None:
         return False
     ref, size, own = entry

@@ -133,28 +133,32 @@ def test_the_batch_object_to_record_batch_made_is_known_by_identity_only() -> No
     del _stepmeta._BATCHES[id(other)]
 
 
-def test_batches_forgotten_by_identity_are_still_proven_by_their_step_column() -> None:
+def test_batches_unknown_by_identity_are_still_proven_by_their_step_column() -> None:
     from arrow_outputs import _stepmeta
 
     first = ao.to_record_batch(_out(), step=1)
-    later = [ao.to_record_batch(_out(), step=s) for s in range(_stepmeta._MAX_BATCHES + 1)]
-    assert _stepmeta.made(first) is None  # the table was cleared on the way
+    _stepmeta._BATCHES.clear()  # as if registered in another way, or never
+    assert _stepmeta.made(first) is None
     assert ao.step_custom_metadata(first)[b"arrow_outputs.step"].startswith(b'{"step":1,')
     assert ao.from_record_batch(first).req_ids == _out().req_ids
-    assert _stepmeta.made(later[-1]) is not None
 
 
-def test_batches_kept_alive_stay_known_while_the_dropped_ones_are_forgotten() -> None:
+def test_registries_keep_every_live_batch_and_drop_the_dead_ones() -> None:
     from arrow_outputs import _stepmeta
 
-    _stepmeta._BATCHES.clear()
-    kept = [ao.to_record_batch(_out(), step=s) for s in range(3)]
-    dropped = [ao.to_record_batch(_out(), step=s) for s in range(_stepmeta._MAX_BATCHES - 3)]
-    assert len(_stepmeta._BATCHES) == _stepmeta._MAX_BATCHES
-    del dropped
-    ao.to_record_batch(_out(), step=0)  # a full table: its dead entries go
-    assert len(_stepmeta._BATCHES) < _stepmeta._MAX_BATCHES // 2
-    assert all(_stepmeta.made(b) is not None for b in kept)  # the live ones stay
+    floor = _stepmeta._BATCHES.floor
+    kept = [ao.to_record_batch(_out(), step=s) for s in range(floor + 10)]  # past the limit
+    slices = [b.slice(1) for b in kept[:3]]
+    for s in range(3 * floor):  # each dropped at once, while the kept ones live
+        ao.to_record_batch(_out(), step=s)
+    for table in (_stepmeta._BATCHES, _stepmeta._OWNED):
+        assert len(table) <= 2 * len(kept) + table.floor  # bounded by the live ones
+    assert all(_stepmeta.made(b) is not None for b in kept)
+    assert all(ao.step_custom_metadata(b) for b in kept[-3:])
+    # Slices are proven by their step column buffer, whose entry stays while it lives.
+    del kept
+    for sl in slices:
+        assert ao.step_metadata(sl)["rows"] == 3
 
 
 def test_run_schemas_that_differ_only_in_field_metadata_keep_their_own_types() -> None:
