@@ -1126,6 +1126,8 @@ def _step_json(
 
 
 def _step_number(step: Any) -> int | None:
+    if type(step) is int and -(2**63) <= step < 2**63:  # the usual case, first
+        return step
     if step is None:
         return None
     if isinstance(step, np.integer):
