@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import weakref
 from collections.abc import Callable
 from functools import lru_cache
@@ -277,22 +278,27 @@ def shared_layout(**items: Any) -> dict[str, Any]:
 # step column buffer address -> (weak reference to its numpy array, size, step JSON). No
 # callback (it would cost every batch's release): an entry whose array is gone never matches,
 # a new array at the same address replaces it, and a full table drops its dead entries
-# (_Table.make_room). Single dict operations only, atomic under the GIL.
+# (_Table.put).
 class _Table(dict[int, tuple[Any, ...]]):
     """Entries whose first item is a weak reference. When it reaches its limit it drops the
     dead ones and never a live one; the limit then becomes twice the live entries (at least
-    ``floor``), so pruning costs O(1) per entry added however many stay alive."""
+    ``floor``), so pruning costs O(1) per entry added however many stay alive. Entries are
+    added under a lock (a prune must not lose another thread's new entry); a lookup is one
+    ``dict.get``, atomic under the GIL."""
 
     def __init__(self, floor: int) -> None:
         super().__init__()
         self.floor = self.limit = floor
+        self.lock = threading.Lock()
 
-    def make_room(self) -> None:
-        if len(self) >= self.limit:
-            live = [(k, v) for k, v in list(self.items()) if v[0]() is not None]
-            self.clear()
-            self.update(live)
-            self.limit = max(self.floor, 2 * len(live))
+    def put(self, key: int, entry: tuple[Any, ...]) -> None:
+        with self.lock:
+            if len(self) >= self.limit:
+                live = [(k, v) for k, v in list(self.items()) if v[0]() is not None]
+                self.clear()
+                self.update(live)
+                self.limit = max(self.floor, 2 * len(live))
+            self[key] = entry
 
 
 _OWNED = _Table(1024)
@@ -301,9 +307,8 @@ _OWNED = _Table(1024)
 def register(values: np.ndarray, raw: bytes) -> None:
     """Remember that step metadata ``raw`` belongs to the batch whose step column owns
     ``values`` (a fresh array per batch), for as long as the array lives."""
-    _OWNED.make_room()
     # pyarrow's address of the array's memory: a quarter of the cost of __array_interface__.
-    _OWNED[pa.py_buffer(values).address] = (weakref.ref(values), values.nbytes, raw)
+    _OWNED.put(pa.py_buffer(values).address, (weakref.ref(values), values.nbytes, raw))
 
 
 # id(batch) -> (weak reference to the batch, its step JSON, what its maker knew of it), for
@@ -316,8 +321,7 @@ def register_batch(batch: pa.RecordBatch, raw: bytes, known: Any = None) -> None
     """Remember that ``batch``, as ``to_record_batch`` returns it (a whole step), was made
     with step metadata ``raw``; ``known``: what the maker knew of its schema (the run's
     column types), handed back by :func:`made_with`."""
-    _BATCHES.make_room()
-    _BATCHES[id(batch)] = (weakref.ref(batch), raw, known)
+    _BATCHES.put(id(batch), (weakref.ref(batch), raw, known))
 
 
 def made_with(batch: pa.RecordBatch) -> tuple[bytes, Any] | None:

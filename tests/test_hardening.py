@@ -161,6 +161,31 @@ def test_registries_keep_every_live_batch_and_drop_the_dead_ones() -> None:
         assert ao.step_metadata(sl)["rows"] == 3
 
 
+def test_registries_lose_no_live_entry_to_a_prune_on_another_thread(monkeypatch) -> None:
+    import threading
+
+    from arrow_outputs import _stepmeta
+
+    for table in (_stepmeta._OWNED, _stepmeta._BATCHES):
+        monkeypatch.setattr(table, "floor", 8)
+        monkeypatch.setattr(table, "limit", 8)  # a prune every few entries
+    kept: list[list[pa.RecordBatch]] = [[] for _ in range(4)]
+
+    def work(mine: list[pa.RecordBatch]) -> None:
+        for s in range(150):
+            batch = ao.to_record_batch(_out(), step=s)
+            if s % 2:
+                mine.append(batch)  # the others die at once: dead entries to prune
+
+    threads = [threading.Thread(target=work, args=(mine,)) for mine in kept]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for batch in (b for mine in kept for b in mine):
+        assert ao.step_metadata(batch.slice(1))["rows"] == 3  # proven by its step column
+
+
 def test_run_schemas_that_differ_only_in_field_metadata_keep_their_own_types() -> None:
     from arrow_outputs import batch as batch_mod
     from arrow_outputs.schema import ColumnTypes, TensorSpec
