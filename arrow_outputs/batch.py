@@ -258,14 +258,12 @@ def _decode_types(schema: pa.Schema, schema_meta: dict[bytes, bytes]) -> ColumnT
     than dropping its metadata (equal whole schemas have equal keys)."""
     run = KEY_STEP not in schema_meta
     if run:
-        for cached, types in _DECODE_RUN:
+        for cached, known in _DECODE_RUN:
             if cached.equals(schema, check_metadata=True):
-                return types
+                return known
     key = schema.remove_metadata()
-    found = next((t for cached, t in _DECODE if cached.equals(key, check_metadata=True)), None)
-    if found is not None:
-        types = found
-    else:
+    types = next((t for cached, t in _DECODE if cached.equals(key, check_metadata=True)), None)
+    if types is None:
         types = column_types(schema)
         _DECODE.insert(0, (key, types))
         del _DECODE[8:]
