@@ -18,8 +18,10 @@ script times, on host tensors (the state after vLLM's copy event):
   counts into a slab of the workload's ``StagingPool`` (one per workload), the tensors
   vLLM's constructor copies too; host logprob and mask tensors are used where they are, as
   vLLM's ``to_cpu_nonblocking()`` leaves them;
-* ``batch/st``: ``get_record_batch`` alone on an output staged once (no staging copy), for
-  information;
+* ``vLLM get`` and ``convert``: the conversion alone, each side's construction (its copies)
+  done before the clock starts, for information: ``vllm_get_output`` on host copies just
+  made by ``vllm_async_output``, against ``get_record_batch`` on an output just staged (its
+  host views made in the timed call, the batch and the output dropped in it);
 * ``get_out``: ``AsyncArrowOutput(...).get_output()``, construction included: vLLM's
   ``ModelRunnerOutput`` from the staged slab.
 
@@ -29,7 +31,9 @@ recycle).
 
 Ratios are baseline / ours (medians): ``x step`` = vLLM / batch, the targets, as the project
 words them ("staged tensors to a record batch against vLLM's ``get_output()`` on the same
-tensors"); ``x +pkl`` = vLLM+pkl / batch, for information (vLLM's objects still have to be
+tensors"; a whole step, construction included on both sides); ``x conv`` = vLLM get /
+convert, the narrower reading of those words (conversion alone), for information; ``x +pkl``
+= vLLM+pkl / batch, for information (vLLM's objects still have to be
 pickled to reach a scheduler in another process, a batch does not); ``x get_out`` = vLLM /
 get_out (no target). The "masks alone" table times vLLM's per-row
 ``SamplingMaskTensors.tolists`` loop (``vllm_mask_tolists`` below, from
@@ -89,6 +93,7 @@ from bench_masks import (
     Figure,
     Settings,
     _t,
+    clock,
     environment,
     make_step,
     ratio,
@@ -199,8 +204,7 @@ class Step:
     mro_vllm: Any
     mro_ours: Any
     mro_get: Any
-    mro_staged: Any
-    staged: AsyncArrowOutput | None = None
+    mro_conv: Any
 
 
 def make_mro(req_ids: list[str]) -> Any:
@@ -273,6 +277,24 @@ def check(w: Workload, pool: StagingPool) -> None:
             raise MismatchError(f"{w.name} n={w.n} step {i}: mask arrow != vLLM loop's")
 
 
+def vllm_get_timed(st: Step, i: int) -> int:
+    """``vllm_get_output`` alone (ns): the host copies are made first, off the clock."""
+    h = vllm_async_output(st.sampler, st.counts)
+    t0 = clock()
+    vllm_get_output(st.mro_vllm, h)
+    return clock() - t0
+
+
+def convert_timed(st: Step, i: int, pool: StagingPool) -> int:
+    """``get_record_batch`` alone (ns) on an output staged first, off the clock; the batch and
+    the output are dropped on it (their slab goes back to the pool, as in ``batch``)."""
+    out = AsyncArrowOutput(st.mro_conv, st.sampler, st.counts, pool=pool)
+    t0 = clock()
+    batch = out.get_record_batch(step=i)
+    del batch, out
+    return clock() - t0
+
+
 def release(out: Any) -> None:
     """Drop what a returned output views in the slab (its logprobs arrays), so the slab goes
     back to the pool even though the timed call reuses the same ModelRunnerOutput object."""
@@ -280,14 +302,16 @@ def release(out: Any) -> None:
     out.sampling_masks = None
 
 
-def cycling(fn: Any, steps: list[Step]) -> Any:
-    """Each call works on the next step; the result is dropped (so slabs go back)."""
+def cycling(fn: Any, steps: list[Step], *, timed: bool = False) -> Any:
+    """Each call works on the next step; the result is dropped (so slabs go back), except
+    the nanoseconds a ``timed`` function returns (a ``self_timed`` figure's)."""
     i = 0
 
-    def call() -> None:
+    def call() -> int | None:
         nonlocal i
         i = (i + 1) % len(steps)
-        fn(steps[i], i)
+        took = fn(steps[i], i)
+        return took if timed else None
 
     return call
 
@@ -439,8 +463,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\nWHOLE STEP: vLLM get_output (and + pickle 5 handoff) vs AsyncArrowOutput")
     header = (
         f"{'workload':<12}{'n':>5}{'wide':>5} |{'vLLM':>14}{'vLLM+pkl':>14}{'batch':>14}"
-        f"{'batch/st':>14}{'get_out':>14} | {'target':>6} {'x step':<19}{'x +pkl':>8}"
-        f"{'x get_out':>10}"
+        f"{'vLLM get':>14}{'convert':>14}{'get_out':>14} | {'target':>6} {'x step':<19}"
+        f"{'x +pkl':>8}{'x conv':>8}{'x get_out':>10}"
     )
     print(header)
     print("-" * len(header))
@@ -449,8 +473,6 @@ def main(argv: list[str] | None = None) -> int:
         # One pool per workload: each workload's figures count its own slab allocations.
         pool = StagingPool(max_slabs=8, timeout=10.0)
         check(w, pool)
-        for st in w.steps:
-            st.staged = AsyncArrowOutput(st.mro_staged, st.sampler, st.counts, pool=pool)
         figs = {
             "vllm": Figure(
                 "vllm",
@@ -479,8 +501,13 @@ def main(argv: list[str] | None = None) -> int:
                     w.steps,
                 ),
             ),
-            "batch_staged": Figure(
-                "batch_staged", cycling(lambda st, i: st.staged.get_record_batch(step=i), w.steps)
+            "vllm_get": Figure(
+                "vllm_get", cycling(vllm_get_timed, w.steps, timed=True), self_timed=True
+            ),
+            "convert": Figure(
+                "convert",
+                cycling(lambda st, i, pool=pool: convert_timed(st, i, pool), w.steps, timed=True),
+                self_timed=True,
             ),
             "get_output": Figure(
                 "get_output",
@@ -493,8 +520,6 @@ def main(argv: list[str] | None = None) -> int:
             ),
         }
         rounds = sample_rounds(list(figs.values()), s)
-        for st in w.steps:
-            st.staged = None  # its slab goes back
         ps = pool.stats()
         allocations += ps.allocations
         reuses += ps.reuses
@@ -505,14 +530,15 @@ def main(argv: list[str] | None = None) -> int:
             "x_step": ratio(figs["vllm"], figs["batch"], target),
             "x_handoff": ratio(figs["vllm_pickle"], figs["batch"], None),
             "x_get_output": ratio(figs["vllm"], figs["get_output"], None),
-            "x_step_staged": ratio(figs["vllm"], figs["batch_staged"], None),
+            "x_convert": ratio(figs["vllm_get"], figs["convert"], None),
         }
         tgt = f">={target:.0f}x" if target else "-"
         print(
             f"{w.name:<12}{w.n:>5}{w.wide_rows:>5} |{_t(sts['vllm']):>14}"
-            f"{_t(sts['vllm_pickle']):>14}{_t(sts['batch']):>14}{_t(sts['batch_staged']):>14}"
-            f"{_t(sts['get_output']):>14} | {tgt:>6} {_r(ratios['x_step']):<19}"
-            f"{ratios['x_handoff']['ratio']:7.1f}x{ratios['x_get_output']['ratio']:9.1f}x"
+            f"{_t(sts['vllm_pickle']):>14}{_t(sts['batch']):>14}{_t(sts['vllm_get']):>14}"
+            f"{_t(sts['convert']):>14}{_t(sts['get_output']):>14} | {tgt:>6} "
+            f"{_r(ratios['x_step']):<19}{ratios['x_handoff']['ratio']:7.1f}x"
+            f"{ratios['x_convert']['ratio']:7.1f}x{ratios['x_get_output']['ratio']:9.1f}x"
         )
         pickled = len(
             pickle.dumps(
