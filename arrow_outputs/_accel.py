@@ -47,6 +47,7 @@ __all__ = [
     "mask_rows",
     "mask_supports",
     "message_custom_metadata",
+    "offsets_ok",
     "record_batch",
     "same_items",
     "sampled_rows",
@@ -81,6 +82,7 @@ split_int_lists = _pyspeedups.split_int_lists
 mask_rows = _pyspeedups.mask_rows
 mask_supports = _pyspeedups.mask_supports
 int_offsets = _pyspeedups.int_offsets
+offsets_ok = _pyspeedups.offsets_ok
 same_items = _pyspeedups.same_items
 copy_from_address = _pyspeedups.copy_from_address
 sampled_rows = _pyspeedups.sampled_rows
@@ -156,7 +158,7 @@ def set_pure_python(flag: bool) -> None:
     """
     global flatten_int_lists, utf8_array, index_in_order, str_list, split_int_lists, mask_rows
     global int_offsets, same_items, record_batch, _using_c, mask_supports, decode_batch
-    global copy_from_address, sampled_rows, int32_head, message_custom_metadata
+    global copy_from_address, sampled_rows, int32_head, message_custom_metadata, offsets_ok
     impl = _pyspeedups
     if not flag:
         if _compiled is None:
@@ -175,6 +177,7 @@ def set_pure_python(flag: bool) -> None:
     mask_rows = impl.mask_rows
     mask_supports = impl.mask_supports
     int_offsets = impl.int_offsets
+    offsets_ok = impl.offsets_ok
     same_items = impl.same_items
     copy_from_address = impl.copy_from_address
     sampled_rows = impl.sampled_rows

@@ -112,6 +112,14 @@ def offsets_from_list(values: Any, field: str, *, last: int, what: str) -> np.nd
 
 
 def check_offsets(arr: np.ndarray, field: str, *, last: int, what: str) -> None:
+    # One C walk when built (valid offsets, the usual case); the checks below name the fault.
+    if not (_accel.accelerated() and _accel.offsets_ok(arr, last)):
+        _check_offsets(arr, field, last=last, what=what)
+    if last > INT32_MAX:
+        raise OffsetsError(field, f"at most {INT32_MAX} {what}", str(last))
+
+
+def _check_offsets(arr: np.ndarray, field: str, *, last: int, what: str) -> None:
     if arr.ndim != 1 or len(arr) == 0:
         raise OffsetsError(field, "a 1-D sequence of at least one offset", describe(arr))
     if arr[0] != 0:
@@ -123,8 +131,6 @@ def check_offsets(arr: np.ndarray, field: str, *, last: int, what: str) -> None:
             f"{len(arr)} ending at {arr[-1]}",
         )
     check_monotonic(arr, field)
-    if last > INT32_MAX:
-        raise OffsetsError(field, f"at most {INT32_MAX} {what}", str(last))
 
 
 def check_monotonic(offsets: np.ndarray, field: str, *, limit: int | None = None) -> None:

@@ -44,6 +44,7 @@ __all__ = [
     "mask_supports",
     "message_custom_metadata",
     "node_of",
+    "offsets_ok",
     "record_batch",
     "same_items",
     "sampled_rows",
@@ -604,6 +605,32 @@ def same_items(a: Any, b: Any, /) -> bool:
     if type(a) is not list or type(b) is not list or len(a) != len(b):
         return False
     return all(map(operator.is_, a, b))
+
+
+def offsets_ok(values: Any, last: Any, /) -> bool:
+    """Whether ``values`` are valid Arrow offsets of ``last`` items, as a producer hands them
+    over (the int64 CSR offsets of ``SamplingMaskLists``).
+
+    True when ``values`` is a 1-D C-contiguous buffer of native signed 64- or 32-bit integers
+    holding at least one item, starting at 0, never decreasing and ending at ``last`` (an
+    exact ``int``); False for anything else, and the caller's checks then name what is wrong.
+
+    Examples
+    --------
+    >>> offsets_ok(np.array([0, 2, 2, 5]), 5), offsets_ok(np.array([0, 3, 2, 5]), 5)
+    (True, False)
+    >>> offsets_ok(np.array([0, 2]), 3), offsets_ok([0, 2], 2)
+    (False, False)
+    """
+    if type(last) is not int or not _INT_TYPES[8][1] <= last <= _INT_TYPES[8][2]:
+        return False  # before values are read, as the C function
+    view = _int_view(values, "i", 8, 1)
+    if view is None:
+        view = _int_view(values, "i", 4, 1)
+    if view is None or len(view) == 0:
+        return False
+    items = view.tolist()
+    return items[0] == 0 and items[-1] == last and all(map(operator.le, items, items[1:]))
 
 
 def int_offsets(values: Any, last: Any, /) -> bytes | None:

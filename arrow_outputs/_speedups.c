@@ -1631,6 +1631,68 @@ same_items(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_TRUE;
 }
 
+/* offsets_ok(values, last) -> bool
+ *
+ * Whether values are valid Arrow offsets of `last` items as a producer hands them over: a
+ * 1-D C-contiguous buffer of native signed int64 (or int32) holding at least one item,
+ * starting at 0, never decreasing and ending at `last` (an exact int). False for anything
+ * else: the caller's numpy checks then name what is wrong. */
+static PyObject *
+offsets_ok(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer view;
+    int have, overflow, ok = 0;
+    long long last;
+
+    if (!check_nargs("offsets_ok", nargs, 2)) {
+        return NULL;
+    }
+    if (!PyLong_CheckExact(args[1])) {
+        Py_RETURN_FALSE;
+    }
+    last = PyLong_AsLongLongAndOverflow(args[1], &overflow);
+    if (last == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (overflow) {
+        Py_RETURN_FALSE;
+    }
+    if ((have = get_ints(args[0], &view, 'i', 8, 1)) == 0) {
+        have = get_ints(args[0], &view, 'i', 4, 1);
+    }
+    if (have <= 0) {
+        return have < 0 ? NULL : Py_NewRef(Py_False);
+    }
+    if (view.shape[0] > 0) {
+        const char *p = (const char *)view.buf;
+        Py_ssize_t count = view.shape[0];
+        long long prev;
+        if (view.itemsize == 8) {
+            int64_t cur;
+            memcpy(&cur, p, 8);
+            prev = cur;
+            ok = prev == 0;
+            for (Py_ssize_t i = 1; ok && i < count; i++) {
+                memcpy(&cur, p + i * 8, 8);
+                ok = cur >= prev;
+                prev = cur;
+            }
+        }
+        else {
+            prev = load_i32(p, 0);
+            ok = prev == 0;
+            for (Py_ssize_t i = 1; ok && i < count; i++) {
+                long long cur = load_i32(p, i);
+                ok = cur >= prev;
+                prev = cur;
+            }
+        }
+        ok = ok && prev == last;
+    }
+    PyBuffer_Release(&view);
+    return PyBool_FromLong(ok);
+}
+
 /* int_offsets(values, last) -> bytes | None
  *
  * int32 Arrow offsets from a Python list (or tuple) of exact ints that start at 0, never
@@ -2870,6 +2932,9 @@ static PyMethodDef speedups_methods[] = {
     {"int_offsets", (PyCFunction)(void (*)(void))int_offsets, METH_FASTCALL,
      "int_offsets(values, last, /)\n--\n\n"
      "int32 offsets bytes of a list of ints from 0 to last, or None (see _pyspeedups)."},
+    {"offsets_ok", (PyCFunction)(void (*)(void))offsets_ok, METH_FASTCALL,
+     "offsets_ok(values, last, /)\n--\n\n"
+     "Whether values are Arrow offsets from 0 to last, never decreasing (see _pyspeedups)."},
     {"build_array", (PyCFunction)(void (*)(void))build_array, METH_FASTCALL,
      "build_array(node, /)\n--\n\n"
      "(capsule, address) of an ArrowArray tree over the nodes' buffers (see batch.py)."},

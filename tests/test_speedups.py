@@ -44,6 +44,7 @@ FUNCS = (
     "sampled_rows",
     "int32_head",
     "message_custom_metadata",
+    "offsets_ok",
 )
 # The whole-batch assembly: node helpers and the batch (pure Python), build_array (C); their
 # tests are in test_speed_assembly.py.
@@ -1121,6 +1122,7 @@ def test_speedups_release_buffers_on_every_path(impl):
         cases.append(("split_int_lists", (bytearray(vals), offs, itemsize, n)))
         if not isinstance(offs, list):
             cases.append(("split_int_lists", (vals, bytearray(offs), itemsize, n)))
+    cases.append(("offsets_ok", (bytearray(16), 0)))  # refused after its buffer was read
     for name, args in cases:
         getattr(impl, name)(*args)
         for a in args:
@@ -1145,6 +1147,9 @@ def test_speedups_no_leaks(impl):
         ("str_list", (offsets_bytes(0, 1, 3), b"a\xff\xff", 0, 2)),
         ("split_int_lists", (np.arange(3), offsets_bytes(0, 1, 3), 8, 2)),
         ("split_int_lists", (np.arange(3), offsets_bytes(0, 1, 4), 8, 2)),
+        ("offsets_ok", (np.array([0, 1, 3]), 3)),
+        ("offsets_ok", (np.array([0, 3, 1], np.int32), 1)),
+        ("offsets_ok", (bytearray(8), 0)),
     ]
     for name, args in inputs:
         fn = getattr(impl, name)
@@ -1444,6 +1449,94 @@ def test_int32_head_copies_the_first_items(impl, n):
 )
 def test_int32_head_refuses(values, n):
     assert agree("int32_head", values, n) is None
+
+
+# ----------------------------------------------------------------------------- offsets_ok
+
+
+def ref_offsets_ok(values: np.ndarray, last: int) -> bool:
+    """The numpy reading of check_offsets' rules (1-D, at least one item, 0 .. last, never
+    decreasing), for arrays of the kinds offsets_ok reads."""
+    a = np.asarray(values)
+    return bool(a.ndim == 1 and len(a) and a[0] == 0 and a[-1] == last and (a[1:] >= a[:-1]).all())
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.int32, "<i8", "=i4", np.longlong])
+@pytest.mark.parametrize(
+    ("values", "last"),
+    [([0], 0), ([0, 0, 0], 0), ([0, 2, 2, 5], 5), ([0, 1, 2**31 - 1], 2**31 - 1)],
+)
+def test_offsets_ok_accepts_valid_offsets(impl, values, last, dtype):
+    assert impl.offsets_ok(np.array(values, dtype), last) is True
+
+
+def test_offsets_ok_int64_extremes(impl):
+    assert impl.offsets_ok(np.array([0, 2**63 - 1], np.int64), 2**63 - 1) is True
+    assert impl.offsets_ok(np.array([0, 2**62, 2**63 - 1], np.int64), 2**63 - 1) is True
+
+
+@pytest.mark.parametrize(
+    ("values", "last"),
+    [
+        (np.array([0, 3, 2, 5]), 5),  # decreases
+        (np.array([0, 2, 5, 4]), 4),  # decreases at the end, which is `last`
+        (np.array([1, 2, 5]), 5),  # does not start at 0
+        (np.array([-1, 0, 5]), 5),
+        (np.array([0, 2, 5]), 4),  # ends elsewhere
+        (np.array([0, 2, 5]), 6),
+        (np.array([0, 2, 5], np.int32), 4),
+        (np.array([0, 5, 2], np.int32), 2),
+        (np.array([], np.int64), 0),  # no offsets at all
+        (np.array([], np.int32), 0),
+        (np.array([[0, 1]]), 1),  # 2-D
+        (np.arange(6)[::2], 4),  # strided
+        (np.array([0, 1], np.uint64), 1),  # unsigned
+        (np.array([0, 1], np.uint32), 1),
+        (np.array([0, 1], np.int16), 1),  # other widths
+        (np.array([0, 1], np.int8), 1),
+        (np.array([0.0, 1.0]), 1),  # floats
+        (np.array([0, 1], ">i8"), 1),  # non-native byte order
+        (np.array([0, 1]).tobytes(), 1),  # raw bytes (format B)
+        ([0, 1], 1),  # not a buffer
+        (None, 0),
+        (np.array([0, 1]), True),  # last: exact ints only
+        (np.array([0, 1]), 1.0),
+        (np.array([0, 1]), IntSub(1)),
+        (np.array([0, 1]), None),
+        (np.array([0, 1]), 2**63),  # past int64: never an offset
+        (np.array([0, 1]), -(2**63) - 1),
+    ],
+)
+def test_offsets_ok_refuses(values, last):
+    assert agree("offsets_ok", values, last) is False
+
+
+def test_offsets_ok_reads_last_before_values():
+    # A released memoryview raises ValueError when its buffer is asked for: an exporter's
+    # error propagates, but a last that cannot be an offset is refused before that.
+    gone = memoryview(np.array([0, 1]))
+    gone.release()
+    with pytest.raises(ValueError, match="alike"):
+        agree("offsets_ok", gone, 1)
+    assert agree("offsets_ok", gone, 2**63) is False
+    assert agree("offsets_ok", gone, "1") is False
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    values=st.lists(st.integers(-3, 6), min_size=0, max_size=8),
+    last=st.integers(-2, 30),
+    sort=st.booleans(),
+    dtype=st.sampled_from([np.int64, np.int32]),
+)
+def test_offsets_ok_property(values, last, sort, dtype):
+    if sort:  # mostly valid offsets: non-negative steps from 0
+        values = [0, *itertools.accumulate(abs(v) for v in values)]
+    arr = np.array(values, dtype)
+    got = agree("offsets_ok", arr, last)
+    assert got is ref_offsets_ok(arr, last)
+    if sort:
+        assert agree("offsets_ok", arr, values[-1]) is True
 
 
 # ------------------------------------------------------------------ message_custom_metadata
