@@ -16,6 +16,7 @@ before any of it is used, and names the metadata path of the first violation.
 
 from __future__ import annotations
 
+import array
 import json
 import re
 import threading
@@ -24,7 +25,6 @@ from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 
 from .errors import StepMetadataError
@@ -304,11 +304,11 @@ class _Table(dict[int, tuple[Any, ...]]):
 _OWNED = _Table(1024)
 
 
-def register(values: np.ndarray, raw: bytes) -> None:
+def register(values: array.array[int], raw: bytes) -> None:
     """Remember that step metadata ``raw`` belongs to the batch whose step column owns
     ``values`` (a fresh array per batch), for as long as the array lives."""
-    # pyarrow's address of the array's memory: a quarter of the cost of __array_interface__.
-    _OWNED.put(pa.py_buffer(values).address, (weakref.ref(values), values.nbytes, raw))
+    address, count = values.buffer_info()  # its memory's address, without a buffer object
+    _OWNED.put(address, (weakref.ref(values), count * values.itemsize, raw))
 
 
 # id(batch) -> (weak reference to the batch, its step JSON, what its maker knew of it), for
