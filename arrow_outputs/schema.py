@@ -267,14 +267,20 @@ def column_types(schema: pa.Schema) -> ColumnTypes:
 
     def logprob_ints(name: str) -> tuple[str, str]:
         t = schema.field(name).type
-        try:
-            st = t.value_type
-            return (
-                int_of(st.field("token_ids").type.value_type, name),
-                int_of(st.field("rank").type, name),
-            )
-        except (AttributeError, KeyError) as e:
-            raise SchemaMismatchError(name, "a logprobs list type", str(t)) from e
+        st = getattr(t, "value_type", None)
+        # Fields by name only on a struct: any other type's field() takes an index and raises
+        # TypeError for a name (a file's schema can hold any type here).
+        if not (
+            isinstance(st, pa.DataType)
+            and pa.types.is_struct(st)
+            and st.get_field_index("token_ids") >= 0
+            and st.get_field_index("rank") >= 0
+        ):
+            raise SchemaMismatchError(name, "a logprobs list type", str(t))
+        ids_t = getattr(st.field("token_ids").type, "value_type", None)
+        if not isinstance(ids_t, pa.DataType):
+            raise SchemaMismatchError(name, "a logprobs list type", str(t))
+        return int_of(ids_t, name), int_of(st.field("rank").type, name)
 
     try:
         sampled = int_of(schema.field("sampled_token_ids").type.value_type, "sampled_token_ids")

@@ -597,6 +597,34 @@ def test_schema_mismatch_says_what_differs() -> None:
     assert "nullable" in str(info.value)
 
 
+@pytest.mark.parametrize("column", ["logprobs", "prompt_logprobs"])
+@pytest.mark.parametrize(
+    "bad_type",
+    [
+        pa.int64(),
+        pa.list_(pa.int64()),  # a list of something other than a struct
+        pa.list_(pa.list_(pa.int64())),
+        pa.map_(pa.string(), pa.int64()),
+        pa.list_(pa.struct([("token_ids", pa.list_(pa.int64()))])),  # no rank
+        pa.list_(pa.struct([("token_ids", pa.int64()), ("rank", pa.int64())])),  # ids not a list
+    ],
+    ids=str,
+)
+def test_file_schema_with_a_foreign_logprobs_type_is_refused_by_name(column, bad_type) -> None:
+    # Found by the file fuzzer (40x): a file whose logprobs column was list<list<int64>> made
+    # the schema check ask a list type for a field by name, and pyarrow raised TypeError.
+    batch = ao.to_record_batch(_out(), step=1)
+    schema = ao.run_schema(batch)
+    schema = schema.set(schema.get_field_index(column), pa.field(column, bad_type))
+    with pytest.raises(SchemaMismatchError, match=column):
+        ao.schema.column_types(schema)
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, schema):
+        pass  # a run that ends before its first step: only the schema
+    with pytest.raises(SchemaMismatchError, match=column):
+        ao.open_run(sink.getvalue())
+
+
 def test_to_record_batch_accepts_numpy_integer_steps() -> None:
     batch = ao.to_record_batch(_out(), step=np.int32(7))
     assert ao.step_metadata(batch)["step"] == 7
