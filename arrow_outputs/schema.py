@@ -299,13 +299,21 @@ def column_types(schema: pa.Schema) -> ColumnTypes:
         prompt_logprob_ranks=pl_ranks,
         prompt_token_id_logprobs=TensorSpec.from_field(schema.field("prompt_token_id_logprobs")),
         pooler_output=TensorSpec.from_field(schema.field("pooler_output")),
-        aux_rows=TensorSpec.from_field(aux_t.field("rows")),
+        aux_rows=_aux_rows(aux_t.field("rows")),
     )
     expected = _columns_schema(types)
     for want, got in zip(expected, schema):
         if not want.equals(got, check_metadata=True):
             raise SchemaMismatchError(want.name, *_difference(want, got))
     return types
+
+
+def _aux_rows(field: pa.Field) -> TensorSpec:
+    """The aux rows' tensor spec; an error names the field by its path in the schema."""
+    try:
+        return TensorSpec.from_field(field)
+    except SchemaMismatchError as e:
+        raise SchemaMismatchError("aux_output.rows", e.expected, e.got) from None
 
 
 def _difference(want: pa.Field, got: pa.Field) -> tuple[str, str]:
