@@ -1665,27 +1665,12 @@ offsets_ok(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
     }
     if (view.shape[0] > 0) {
         const char *p = (const char *)view.buf;
-        Py_ssize_t count = view.shape[0];
-        long long prev;
-        if (view.itemsize == 8) {
-            int64_t cur;
-            memcpy(&cur, p, 8);
+        long long prev = load_count(p, view.itemsize, 0);
+        ok = prev == 0;
+        for (Py_ssize_t i = 1; ok && i < view.shape[0]; i++) {
+            long long cur = load_count(p, view.itemsize, i);
+            ok = cur >= prev;
             prev = cur;
-            ok = prev == 0;
-            for (Py_ssize_t i = 1; ok && i < count; i++) {
-                memcpy(&cur, p + i * 8, 8);
-                ok = cur >= prev;
-                prev = cur;
-            }
-        }
-        else {
-            prev = load_i32(p, 0);
-            ok = prev == 0;
-            for (Py_ssize_t i = 1; ok && i < count; i++) {
-                long long cur = load_i32(p, i);
-                ok = cur >= prev;
-                prev = cur;
-            }
         }
         ok = ok && prev == last;
     }

@@ -275,7 +275,7 @@ def shared_layout(**items: Any) -> dict[str, Any]:
 # ------------------------------------------------------------------------------- ownership
 
 
-# step column buffer address -> (weak reference to its numpy array, size, step JSON). No
+# step column buffer address -> (weak reference to its int64 array, size, step JSON). No
 # callback (it would cost every batch's release): an entry whose array is gone never matches,
 # a new array at the same address replaces it, and a full table drops its dead entries
 # (_Table.put).

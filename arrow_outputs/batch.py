@@ -1284,11 +1284,14 @@ def _resolve(
     custom_metadata: Any,
     missing: str,
     schema_meta: dict[bytes, bytes] | None = None,
+    made: bool = False,
 ) -> tuple[dict[str, Any], bool]:
     """(checked step JSON, whether a head slice of its step may be decoded).
 
     ``schema_meta``: the batch's schema metadata, read and format-checked by the caller;
-    None: read and checked here."""
+    None: read and checked here. ``made``: the caller found ``batch`` registered by
+    ``to_record_batch`` (:func:`._stepmeta.made_with`), with ``schema_meta``'s step key, so
+    its ownership is already proven."""
     if not isinstance(batch, pa.RecordBatch):
         raise FieldTypeError("batch", "a pyarrow.RecordBatch", describe(batch))
     if schema_meta is None:
@@ -1302,7 +1305,7 @@ def _resolve(
         # IPC custom metadata belongs to its message: trusted as this batch's.
         return _stepmeta.parse(raw, _CUSTOM_PATH, _SPEC), False
     raw = schema_meta.get(KEY_STEP)
-    if raw is not None and _owned(batch, raw):
+    if raw is not None and (made or _owned(batch, raw)):
         return _stepmeta.parse(raw, _SCHEMA_PATH, _SPEC), True
     if missing == "defaults":
         return _default_meta(batch), False
@@ -1659,7 +1662,9 @@ def from_record_batch(
         # was first used) with this step key, so its format and types are the run's.
         raw, types = known
         schema_meta = {KEY_STEP: raw}
-    meta, head_slice_ok = _resolve(batch, custom_metadata, missing_step_metadata, schema_meta)
+    meta, head_slice_ok = _resolve(
+        batch, custom_metadata, missing_step_metadata, schema_meta, made=known is not None
+    )
     allowed = allow_list(classes)
     if validate not in (True, False):
         raise FieldTypeError("validate", "True or False", describe(validate))

@@ -270,17 +270,16 @@ def column_types(schema: pa.Schema) -> ColumnTypes:
         st = getattr(t, "value_type", None)
         # Fields by name only on a struct: any other type's field() takes an index and raises
         # TypeError for a name (a file's schema can hold any type here).
-        if not (
+        if (
             isinstance(st, pa.DataType)
             and pa.types.is_struct(st)
             and st.get_field_index("token_ids") >= 0
             and st.get_field_index("rank") >= 0
         ):
-            raise SchemaMismatchError(name, "a logprobs list type", str(t))
-        ids_t = getattr(st.field("token_ids").type, "value_type", None)
-        if not isinstance(ids_t, pa.DataType):
-            raise SchemaMismatchError(name, "a logprobs list type", str(t))
-        return int_of(ids_t, name), int_of(st.field("rank").type, name)
+            ids_t = getattr(st.field("token_ids").type, "value_type", None)
+            if isinstance(ids_t, pa.DataType):
+                return int_of(ids_t, name), int_of(st.field("rank").type, name)
+        raise SchemaMismatchError(name, "a logprobs list type", str(t))
 
     try:
         sampled = int_of(schema.field("sampled_token_ids").type.value_type, "sampled_token_ids")

@@ -302,16 +302,15 @@ def release(out: Any) -> None:
     out.sampling_masks = None
 
 
-def cycling(fn: Any, steps: list[Step], *, timed: bool = False) -> Any:
-    """Each call works on the next step; the result is dropped (so slabs go back), except
-    the nanoseconds a ``timed`` function returns (a ``self_timed`` figure's)."""
+def cycling(fn: Any, steps: list[Step]) -> Any:
+    """Each call works on the next step; the timing loop drops what it returns at once (so
+    slabs go back), or adds it up for a ``self_timed`` figure (its nanoseconds)."""
     i = 0
 
-    def call() -> int | None:
+    def call() -> Any:
         nonlocal i
         i = (i + 1) % len(steps)
-        took = fn(steps[i], i)
-        return took if timed else None
+        return fn(steps[i], i)
 
     return call
 
@@ -501,12 +500,10 @@ def main(argv: list[str] | None = None) -> int:
                     w.steps,
                 ),
             ),
-            "vllm_get": Figure(
-                "vllm_get", cycling(vllm_get_timed, w.steps, timed=True), self_timed=True
-            ),
+            "vllm_get": Figure("vllm_get", cycling(vllm_get_timed, w.steps), self_timed=True),
             "convert": Figure(
                 "convert",
-                cycling(lambda st, i, pool=pool: convert_timed(st, i, pool), w.steps, timed=True),
+                cycling(lambda st, i, pool=pool: convert_timed(st, i, pool), w.steps),
                 self_timed=True,
             ),
             "get_output": Figure(
