@@ -25,6 +25,17 @@ script times, on host tensors (the state after vLLM's copy event):
 * ``get_out``: ``AsyncArrowOutput(...).get_output()``, construction included: vLLM's
   ``ModelRunnerOutput`` from the staged slab.
 
+* ``floor`` (with the C module): what no implementation of this step on pyarrow avoids,
+  timed in the same rounds. vLLM's own host copies (``vllm_async_output``: the copies any
+  implementation makes), ``Tensor.numpy()`` of the six logprob and mask tensors used in place
+  (the cheapest view of a tensor's memory), and the step's finished buffers (the batch
+  ``to_record_batch`` makes of vLLM's output, taken apart into a tree of nodes outside the
+  timing) imported as a ``RecordBatch`` in one C Data Interface call with the step's schema
+  metadata, ``validate()``d and released. It leaves out all the work on the data (request
+  ids, sampled rows, mask supports: the C walks) and every Python step between.
+  ``best x`` = vLLM / floor is the most any implementation could reach here: a target above
+  it is out of reach of work on ours, and the table below the whole-step table says so.
+
 Every batch and output made in a timed call is dropped at once, so its slab goes back to the
 pool (the pools' allocation counts are printed at the end; they stay small when slabs
 recycle).
@@ -79,6 +90,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import torch
 
 import arrow_outputs as ao
@@ -315,6 +327,50 @@ def cycling(fn: Any, steps: list[Step]) -> Any:
     return call
 
 
+# ----------------------------------------------------------------------------- floor
+
+
+def floor_call(w: Workload) -> Any | None:
+    """The whole step's floor (module docstring) as a cycling call, or None without the C
+    module (its ``build_array`` is the cheapest way into pyarrow). Each step's finished batch,
+    the one ``to_record_batch`` makes of vLLM's output (equal to ours: :func:`check`), is
+    taken apart here, untimed, into a ready tree of nodes over its own buffers."""
+    try:
+        from arrow_outputs._pyspeedups import node_of
+        from arrow_outputs._speedups import build_array
+    except ImportError:
+        return None
+    import_from_c = pa.RecordBatch._import_from_c
+    ready = []
+    for i, st in enumerate(w.steps):
+        batch = ao.to_record_batch(vllm_get_output(make_mro(st.mro_vllm.req_ids), st.host), step=i)
+        nodes = tuple(node_of(col) for col in batch.columns)
+        if None in nodes:  # not expressible as one tree: no floor for this workload
+            return None
+        tree = (batch.num_rows, 0, (None,), nodes)
+        ready.append((tree, ao.run_schema(batch), batch.schema.metadata, batch))
+
+    def floor(st: Step, i: int) -> pa.RecordBatch:
+        h = vllm_async_output(st.sampler, st.counts)  # the copies any implementation makes
+        lp, m = h.logprobs_tensors, h.sampling_mask_tensors
+        for t in (lp.logprob_token_ids, lp.logprobs, lp.selected_token_ranks):
+            t.numpy()  # reading each tensor used in place: the cheapest view of its memory
+        for t in (m.token_ids, m.packed_mask, m.counts):
+            t.numpy()
+        tree, schema, meta, _ = ready[i]
+        capsule, address = build_array(tree)  # the capsule lives until the import took it
+        batch = import_from_c(address, schema.with_metadata(meta))
+        del capsule
+        batch.validate()  # the checks from_buffers makes: buffer sizes against lengths
+        return batch
+
+    for i, st in enumerate(w.steps):  # the floor makes the very batch it times
+        made = floor(st, i)
+        if not (made.equals(ready[i][3]) and made.schema.metadata == ready[i][2]):
+            raise MismatchError(f"{w.name} n={w.n} step {i}: the floor's batch differs")
+    return cycling(floor, w.steps)
+
+
 # ----------------------------------------------------------------------------- GPU
 
 
@@ -430,6 +486,45 @@ def _r(r: dict[str, Any]) -> str:
     return f"{r['ratio']:6.1f}x ±{r['spread_pct']:.0f}% {r['verdict']:<5}"
 
 
+def print_floor(step_results: list[dict[str, Any]]) -> None:
+    """The floor table: per workload the floor's time, vLLM's, the best ratio it allows
+    (vLLM / floor, judged against the step's target) and the floor's share of our step."""
+    rows = [r for r in step_results if "x_floor" in r["ratios"]]
+    if not rows:
+        print("\nWHOLE-STEP FLOOR: not timed (needs the C module's build_array)")
+        return
+    print(
+        "\nWHOLE-STEP FLOOR: what no implementation of this step on pyarrow avoids (vLLM's own"
+        "\nhost copies, Tensor.numpy() of the six tensors used in place, one C Data Interface"
+        "\nimport of the step's finished buffers with its step metadata, validate(), the batch"
+        "\nreleased); best x = vLLM / floor, the most any implementation could reach here;"
+        "\nof ours = floor / batch"
+    )
+    header = (
+        f"{'workload':<12}{'n':>5} |{'floor':>14}{'vLLM':>14} | {'target':>6} "
+        f"{'best x':<19}{'of ours':>8}"
+    )
+    print(header)
+    print("-" * len(header))
+    beyond = []
+    for r in rows:
+        sts, fl = r["times"], r["ratios"]["x_floor"]
+        target = fl["target"]
+        share = sts["floor"]["median_ns"] / sts["batch"]["median_ns"]
+        tgt = f">={target:.0f}x" if target else "-"
+        print(
+            f"{r['workload']:<12}{r['requests']:>5} |{_t(sts['floor']):>14}{_t(sts['vllm']):>14}"
+            f" | {tgt:>6} {_r(fl):<19}{share:>8.0%}"
+        )
+        if fl["pass"] is False:
+            beyond.append(f"{r['workload']} n={r['requests']}")
+    if beyond:
+        print(
+            f"targets beyond the floor (no implementation on pyarrow meets them here): "
+            f"{', '.join(beyond)}"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="under 30 s, rough figures")
@@ -516,6 +611,9 @@ def main(argv: list[str] | None = None) -> int:
                 ),
             ),
         }
+        floor = floor_call(w)
+        if floor is not None:
+            figs["floor"] = Figure("floor", floor)
         rounds = sample_rounds(list(figs.values()), s)
         ps = pool.stats()
         allocations += ps.allocations
@@ -529,6 +627,9 @@ def main(argv: list[str] | None = None) -> int:
             "x_get_output": ratio(figs["vllm"], figs["get_output"], None),
             "x_convert": ratio(figs["vllm_get"], figs["convert"], None),
         }
+        if "floor" in figs:
+            # The most any implementation on pyarrow could reach: vLLM against the floor.
+            ratios["x_floor"] = ratio(figs["vllm"], figs["floor"], target)
         tgt = f">={target:.0f}x" if target else "-"
         print(
             f"{w.name:<12}{w.n:>5}{w.wide_rows:>5} |{_t(sts['vllm']):>14}"
@@ -555,6 +656,8 @@ def main(argv: list[str] | None = None) -> int:
                 "ratios": ratios,
             }
         )
+
+    print_floor(step_results)
 
     print("\nMASKS ALONE: vLLM's per-row tolists loop vs mask_tensors_to_arrow")
     header = (
