@@ -286,17 +286,17 @@ def _convert(args: argparse.Namespace) -> int:
 
         # One Parquet file of the per-request rows; step-level metadata (connector outputs,
         # layouts) stays in the run file or a dataset export, which keep it losslessly.
-        from .export import _relaxed
+        from .export import _relaxed, _relaxed_batch
 
         codec = "zstd" if args.compression is None else (compression or "none")
         if codec not in PARQUET_CODECS:
             raise _Failed(
                 f"--compression for parquet: expected {', '.join(PARQUET_CODECS)}, got {codec}"
             )
-        schema = _relaxed(run.schema)  # Parquet refuses non-null struct children
+        schema = _relaxed(run.schema, parquet=True)  # types any Parquet reader reads back
         with pq.ParquetWriter(args.out, schema, compression=codec) as writer:
             for step in run:
-                writer.write_batch(step.batch.cast(schema))
+                writer.write_batch(_relaxed_batch(step.batch, schema))
                 bar.update(1)
     bar.close()
     print(f"{args.out}: {len(run)} steps, {run.num_rows} rows ({args.to})")

@@ -300,7 +300,9 @@ def _export_run(
     run = open_run(path, validate=validate)
     schema = run.schema
     column_types(schema)  # this format's schema (open_run checked it; kept explicit)
-    rows_schema = _relaxed(schema).append(pa.field("step_index", pa.int64(), nullable=False))
+    rows_schema = _relaxed(schema, parquet=_name(file_format) == "parquet").append(
+        pa.field("step_index", pa.int64(), nullable=False)
+    )
     existing = _existing_rows_schema(out, file_format)
     if existing is not None:
         # One dataset, one set of column types: a reader of rows/ scans every run with it.
@@ -329,10 +331,7 @@ def _export_run(
             if batch.num_rows == 0:
                 continue
             n = batch.num_rows
-            columns = [
-                c if c.type.equals(f.type) else c.cast(f.type)
-                for c, f in zip(batch.columns, rows_schema)
-            ]
+            columns = [_relaxed_array(c, f.type) for c, f in zip(batch.columns, rows_schema)]
             columns.append(pa.array([index] * n, pa.int64()))
             yield pa.RecordBatch.from_arrays(
                 columns + _partition_columns(parts, name, index, block, n), schema=written
@@ -395,37 +394,96 @@ def _export_run(
     return ExportedRun(name, os.path.abspath(path), n_steps, totals["rows"], run.complete)
 
 
-def _relaxed_type(t: pa.DataType) -> pa.DataType:
+def _relaxed_type(t: pa.DataType, parquet: bool) -> pa.DataType:
     if pa.types.is_struct(t):
-        return pa.struct([f.with_type(_relaxed_type(f.type)).with_nullable(True) for f in t])
+        return pa.struct(
+            [f.with_type(_relaxed_type(f.type, parquet)).with_nullable(True) for f in t]
+        )
+    if parquet and isinstance(t, pa.BaseExtensionType):
+        return _relaxed_type(t.storage_type, parquet)
+    if parquet and pa.types.is_fixed_size_list(t):
+        return pa.list_(_relaxed_type(t.value_type, parquet))
     return t
 
 
-def _relaxed(schema: pa.Schema) -> pa.Schema:
-    """The schema with every struct child nullable. Parquet writers refuse a non-null child
-    (``aux_output.token_start``) under a null struct row, although the format puts a 0 there;
-    :func:`iter_exported_outputs` restores the exact types."""
-    return pa.schema([f.with_type(_relaxed_type(f.type)) for f in schema], metadata=schema.metadata)
+def _relaxed(schema: pa.Schema, *, parquet: bool) -> pa.Schema:
+    """The schema the exported rows are written in; :func:`iter_exported_outputs` restores
+    the exact types (:func:`_restored`).
+
+    - Every struct child nullable: Parquet writers refuse a non-null child
+      (``aux_output.token_start``) under a null struct row, although the format puts a 0 there.
+    - For Parquet, fixed-size lists (tensor shapes, and the storage of fixed-shape tensor
+      columns) as lists: pyarrow before 26 cannot read a null fixed-size-list row back from
+      Parquet ("Expected all lists to be of size=...", every version from 15 to 25), and
+      every run has such rows (an absent tensor column is all null).
+    """
+    return pa.schema(
+        [f.with_type(_relaxed_type(f.type, parquet)) for f in schema], metadata=schema.metadata
+    )
 
 
-def _restored(col: pa.Array, target: pa.DataType) -> pa.Array:
+def _relaxed_array(col: pa.Array, target: pa.DataType, hidden: Any = None) -> pa.Array:
+    """A run column in its exported type (:func:`_relaxed`): an extension column becomes its
+    storage, a fixed-size list a list, and the rest is cast. ``hidden``: a numpy mask of the
+    rows under a null parent row. Lists keep no values under a null row, their own or a
+    parent's (pyarrow's Parquet writer before 16 refuses a null list row with values)."""
+    if isinstance(col, pa.ExtensionArray) and not isinstance(target, pa.BaseExtensionType):
+        col = col.storage
+    if pa.types.is_struct(target) and pa.types.is_struct(col.type):
+        null = col.is_null().to_numpy(zero_copy_only=False) if col.null_count else None
+        if hidden is not None:
+            null = hidden if null is None else null | hidden
+        children = [_relaxed_array(col.field(i), f.type, null) for i, f in enumerate(target)]
+        mask = pa.array(null) if null is not None and null.any() else None
+        return pa.StructArray.from_arrays(children, fields=list(target), mask=mask)
+    fixed = pa.types.is_fixed_size_list(col.type)
+    if pa.types.is_list(target) and (fixed or (hidden is not None and pa.types.is_list(col.type))):
+        n = len(col)
+        if fixed:
+            size = col.type.list_size
+            starts = (col.offset + np.arange(n, dtype=np.int64)) * size
+            lengths = np.full(n, size, np.int64)
+        else:
+            offsets = col.offsets.to_numpy(zero_copy_only=False).astype(np.int64)
+            starts, lengths = offsets[:-1], np.diff(offsets)
+        null = ~col.is_valid().to_numpy(zero_copy_only=False)
+        if hidden is not None:
+            null |= hidden
+        kept = np.where(null, 0, lengths)
+        # The child's index of every value kept, row by row.
+        first = np.repeat(starts - (np.cumsum(kept) - kept), kept)
+        index = first + np.arange(int(kept.sum()), dtype=np.int64)
+        values = _relaxed_array(col.values.take(pa.array(index)), target.value_type)
+        offsets_out = pa.array(np.concatenate(([0], np.cumsum(kept))), pa.int32())
+        mask = pa.array(null) if null.any() else None
+        return pa.ListArray.from_arrays(offsets_out, values, type=target, mask=mask)
+    return col if col.type.equals(target) else col.cast(target)
+
+
+def _relaxed_batch(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
+    """A run's batch in the exported schema (:func:`_relaxed`)."""
+    columns = [_relaxed_array(c, f.type) for c, f in zip(batch.columns, schema)]
+    return pa.RecordBatch.from_arrays(columns, schema=schema)
+
+
+def _restored(col: pa.Array, target: pa.DataType, path: str) -> pa.Array:
     """A column read back from the dataset in its exact type. Parquet keeps no value under a
-    null struct or fixed-size-list row (it reads back null); the format has zeros there
+    null struct or list row (it reads back null or empty); the format has zeros there
     (``docs/schema.md``), so zeros go back, under null rows only: a null under a valid row
-    stays, for the decoder to refuse."""
+    stays, for the decoder to refuse. ``path`` names the column in errors."""
     if isinstance(target, pa.BaseExtensionType):
         storage = col.storage if isinstance(col, pa.ExtensionArray) else col
-        return pa.ExtensionArray.from_storage(target, _restored(storage, target.storage_type))
+        return pa.ExtensionArray.from_storage(target, _restored(storage, target.storage_type, path))
     if pa.types.is_struct(target):
         row_null = col.is_null()
         children = []
         for i, field in enumerate(target):
-            child = _restored(col.field(i), field.type)
+            child = _restored(col.field(i), field.type, f"{path}.{field.name}")
             if not field.nullable and child.null_count:
                 child = pc.if_else(row_null, _zero(field.type), child)
                 if child.null_count:
                     raise SchemaMismatchError(
-                        field.name, "no nulls (a non-nullable field)", "nulls"
+                        f"{path}.{field.name}", "no nulls (a non-nullable field)", "nulls"
                     )
             children.append(child)
         return pa.StructArray.from_arrays(
@@ -433,8 +491,15 @@ def _restored(col: pa.Array, target: pa.DataType) -> pa.Array:
         )
     if pa.types.is_fixed_size_list(target):
         size = target.list_size
-        values = col.values.slice(col.offset * size, len(col) * size)
-        values = _restored(values, target.value_type)
+        if pa.types.is_fixed_size_list(col.type):  # an IPC export: the run's own type
+            if col.type.list_size != size:
+                raise SchemaMismatchError(path, str(target), str(col.type))
+            values = col.values.slice(col.offset * size, len(col) * size)
+        elif pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
+            values = _fixed_values(col, size, path)
+        else:
+            raise SchemaMismatchError(path, f"{target} (or a list of its values)", str(col.type))
+        values = _restored(values, target.value_type, f"{path}[]")
         if col.null_count and values.null_count:
             under_null = np.repeat(col.is_null().to_numpy(zero_copy_only=False), size)
             values = pc.if_else(pa.array(under_null), _zero(values.type), values)
@@ -442,6 +507,27 @@ def _restored(col: pa.Array, target: pa.DataType) -> pa.Array:
             values, type=target, mask=col.is_null() if col.null_count else None
         )
     return col if col.type.equals(target) else col.cast(target)
+
+
+def _fixed_values(col: pa.Array, size: int, path: str) -> pa.Array:
+    """The values of a list column written for a fixed-size list of ``size``: each non-null
+    row's, which must be exactly ``size``, and ``size`` nulls for each null row (its values
+    are not in the file; :func:`_restored` puts zeros there)."""
+    offsets = col.offsets.to_numpy(zero_copy_only=False).astype(np.int64)
+    lengths = np.diff(offsets)
+    valid = col.is_valid().to_numpy(zero_copy_only=False)
+    wrong = valid & (lengths != size)
+    if wrong.any():
+        i = int(np.argmax(wrong))
+        raise SchemaMismatchError(
+            path, f"{size} values in every non-null row", f"{int(lengths[i])} in row {i}"
+        )
+    # Null rows take their values from one null appended to the child (index len(child)).
+    child = col.values
+    starts = np.where(valid, offsets[:-1], len(child))
+    index = (starts[:, None] + np.where(valid[:, None], np.arange(size), 0)).reshape(-1)
+    padded = pa.concat_arrays([child, pa.nulls(1, child.type)])
+    return padded.take(pa.array(index, pa.int64()))
 
 
 def _zero(t: pa.DataType) -> pa.Scalar:
@@ -565,5 +651,8 @@ def _run_rows(
     if rows.num_rows != expected:
         raise ConsistencyError(f"run[{run}].rows", f"{expected} rows (steps/)", str(rows.num_rows))
     rows = rows.select(names).combine_chunks()
-    columns = [_restored(rows.column(i).combine_chunks(), f.type) for i, f in enumerate(schema)]
+    columns = [
+        _restored(rows.column(i).combine_chunks(), f.type, f"run[{run}].rows.{f.name}")
+        for i, f in enumerate(schema)
+    ]
     return pa.Table.from_arrays(columns, schema=schema)
