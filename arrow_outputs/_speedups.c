@@ -756,6 +756,16 @@ done:
 
 /* split_int_lists(values, offsets, itemsize, n) -> list[list[int]] | None */
 
+/* A filled list of ints leaves the cycle collector: it can be in no reference cycle (CPython
+ * untracks tuples and dicts of atomic values alike), and a step's rows are most of the
+ * containers its decode makes, one per request, whose collections would otherwise cost more
+ * than the decode itself in a process with the collector on (docs/accelerator.md). */
+static void
+untrack_int_list(PyObject *list)
+{
+    PyObject_GC_UnTrack(list);
+}
+
 /* Element j of an int32 (itemsize 4) or int64 buffer as a Python int (unaligned-safe). */
 static PyObject *
 int_at(const char *vals, Py_ssize_t itemsize, Py_ssize_t j)
@@ -824,6 +834,7 @@ split_int_lists(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t n
                 }
                 PyList_SET_ITEM(inner, j - a, v);
             }
+            untrack_int_list(inner);
         }
         result = outer;
         outer = NULL;
@@ -2548,6 +2559,7 @@ dec_sampled(const struct ArrowArray *col, int64_t n, Py_ssize_t itemsize, PyObje
             }
             PyList_SET_ITEM(inner, j - a, v);
         }
+        untrack_int_list(inner);
     }
     *out = outer;
     return 1;

@@ -1624,7 +1624,9 @@ def from_record_batch(
     Arrays and tensors are views of the batch's buffers (zero-copy): read-only when the
     batch came from IPC or was decoded by the C accelerator, and to be treated as read-only
     always, since they share memory with the batch (and, in memory, with the producer's
-    arrays). Python lists are made where vLLM has lists.
+    arrays). Python lists are made where vLLM has lists; the C accelerator leaves the rows of
+    ``sampled_token_ids`` (lists of ints) to reference counting alone, out of the cycle
+    collector (``docs/accelerator.md``, decoded rows and the garbage collector).
 
     A slice or filter of a step's batch decodes to the output of its rows (the step-level
     connector outputs and CUDA-graph stats stay those of the step).

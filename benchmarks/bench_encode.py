@@ -927,6 +927,77 @@ def results_json(
     }
 
 
+# ----------------------------------------------------------------------------- collector on
+
+GC_SIZES = (64, 256, 1024)
+
+
+def gc_on_decode(accel: Accel, paths: list[str], quick: bool) -> dict[str, Any]:
+    """Decode against ``pickle.loads`` with the garbage collector on, for information.
+
+    The tables above pause the collector, as ``timeit`` does. A scheduler process runs with
+    it on, and decoding a step makes one list per request: each side is charged the
+    collections its allocations set off. A sample is the mean per call over a block of calls
+    (~0.1 s; collections are rare and costly, so a median per call would leave them out),
+    the two sides' blocks interleaved; figures are medians of the blocks, with this
+    process's tracked objects (what a full collection walks) printed alongside.
+    """
+    path = paths[0]  # the C path when it is measured
+    accel.use(path)
+    blocks = 3 if quick else 10
+    rows: dict[str, Any] = {"path": path, "blocks": blocks, "sizes": {}}
+    for n in GC_SIZES:
+        outs = [decode_step(n, seed) for seed in range(VARIANTS)]
+        schema = ao.run_schema(ao.to_record_batch(outs[0], step=0))
+        received = [
+            ipc_round_trip(ao.to_record_batch(o, step=i, schema=schema)) for i, o in enumerate(outs)
+        ]
+        pickles = [pickle_encode(o) for o in outs]
+        for (b, custom), pickled, o in zip(received, pickles, outs):  # both give it back
+            assert ao.first_difference(ao.from_record_batch(b, custom_metadata=custom), o) is None
+            assert ao.first_difference(pickle_decode(*pickled), o) is None
+        sides = {
+            "arrow": (lambda x: ao.from_record_batch(x[0], custom_metadata=x[1]), received),
+            "pickle": (lambda x: pickle_decode(*x), pickles),
+        }
+        means: dict[str, list[float]] = {k: [] for k in sides}
+        gc.collect()
+        for _ in range(blocks):
+            for name, (fn, items) in sides.items():
+                calls, t0 = 0, time.perf_counter_ns()
+                while True:
+                    for x in items:
+                        fn(x)
+                    calls += len(items)
+                    took = time.perf_counter_ns() - t0
+                    if took >= 100_000_000:
+                        break
+                means[name].append(took / calls)
+        arrow_ns, pickle_ns = (statistics.median(means[k]) for k in ("arrow", "pickle"))
+        rows["sizes"][str(n)] = {
+            "arrow_ns": arrow_ns,
+            "pickle_ns": pickle_ns,
+            "ratio": pickle_ns / arrow_ns,
+            "tracked_objects": len(gc.get_objects()),
+        }
+    return rows
+
+
+def format_gc_on(gc_rows: dict[str, Any]) -> str:
+    lines = [
+        f"DECODE WITH THE GARBAGE COLLECTOR ON ({gc_rows['path']} path; for information, no "
+        "target): mean us per call over blocks of calls, median of "
+        f"{gc_rows['blocks']} blocks",
+        f"{'workload':<14}{'n':>6} |{'arrow':>10}{'pickle':>10} |{'x':>7} | tracked objects",
+    ]
+    for n, r in gc_rows["sizes"].items():
+        lines.append(
+            f"{'decode lp20':<14}{n:>6} |{r['arrow_ns'] / 1e3:>10.1f}{r['pickle_ns'] / 1e3:>10.1f}"
+            f" |{r['ratio']:>6.2f}x | {r['tracked_objects']:,}"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--quick", action="store_true", help="short measurements (smoke run)")
@@ -958,14 +1029,18 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
                 flush=True,
             )
+        gc_rows = gc_on_decode(accel, paths, args.quick)
     seconds = time.perf_counter() - started
     print(header(env, args.quick))
     print(format_table(rows))
+    print()
+    print(format_gc_on(gc_rows))
     print()
     print(summary(rows, paths))
     print(f"run time {seconds:.0f} s")
     if args.json is not None:
         doc = results_json(rows, env, quick=args.quick, s=s, seconds=seconds)
+        doc["decode_gc_on"] = gc_rows
         args.json.write_text(json.dumps(doc, indent=2) + "\n")
         print(f"wrote {args.json}")
     return 0
