@@ -758,8 +758,8 @@ done:
 
 /* A filled list of ints leaves the cycle collector: it can be in no reference cycle (CPython
  * untracks tuples and dicts of atomic values alike), and a step's rows are most of the
- * containers its decode makes, one per request, whose collections would otherwise cost more
- * than the decode itself in a process with the collector on (docs/accelerator.md). */
+ * containers its decode makes, one per request, and the collections they set off cost a
+ * 1024-request decode about half again its own time with the collector on (docs/accelerator.md). */
 static void
 untrack_int_list(PyObject *list)
 {

@@ -931,8 +931,8 @@ def test_split_int_lists_int32_values(impl):
 @pytest.mark.skipif(_speedups is None, reason="arrow_outputs._speedups not built")
 def test_c_int_rows_are_left_to_reference_counting():
     """The C walks' rows of ints leave the cycle collector (they can be in no cycle): a
-    process that decodes 1024-request steps with the collector on is spared collections
-    that cost more than the decode. Their values are the specification's; the outer list,
+    process that decodes 1024-request steps with the collector on is spared the collections
+    they would set off. Their values are the specification's; the outer list,
     which a caller may fill with anything, stays tracked."""
     values = np.arange(6, dtype=np.int64)
     rows = _speedups.split_int_lists(values, offsets_bytes(0, 2, 2, 6), 8, 3)
