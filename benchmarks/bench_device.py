@@ -57,7 +57,11 @@ requests, one sampled token per request, request ids like ``cmpl-<32 hex>-0``:
   int64 ranks), int32 NaN counts, sampling masks with 35..64 kept ids per row (mean ~50),
   vocabulary 128,256, compact width 64 (no row needs the bitmask);
 * ``wide 1/16``: the same, but vocabulary 32,768 and compact width 1024, and 1 row in 16
-  keeps 2,000..4,000 ids (past the width: read from the bitmask).
+  keeps 2,000..4,000 ids (past the width: read from the bitmask);
+* ``steady lp20`` (1024 requests, for information, no target): ``decode lp20`` steps that
+  keep their requests, as most steps of a real decode run do: each step's output has a list
+  of its own holding the same request-id strs, which the encoder's request-id column reuse
+  recognises (``docs/accelerator.md``); the target workloads change their ids every step.
 
 Targets (from the project): whole step at 1024 requests >= 10x (``decode lp20``), >= 5x with
 1 row in 16 needing the bitmask (``wide 1/16``); masks alone >= 20x at 512 rows and >= 5x
@@ -124,6 +128,9 @@ STEP_TARGET_REQS = 1024
 MASK_TARGETS = {"decode lp20": 20.0, "wide 1/16": 5.0}  # at 512 rows
 MASK_TARGET_ROWS = 512
 KINDS = {"decode lp20": (128_256, 64, 0), "wide 1/16": (32_768, 1024, 16)}
+# Decode steps that keep their requests (most of a real run); no target.
+STEADY = "steady lp20"
+STEADY_SIZES = (1024,)
 
 FULL = Settings(sample_ns=2_000_000, min_rounds=30, budget_s=1.0)
 QUICK = Settings(sample_ns=500_000, min_rounds=6, budget_s=0.05, check_every=3)
@@ -261,6 +268,16 @@ def workloads() -> list[Workload]:
             steps = [build_step(rng, n, vocab, width, wide_every) for _ in range(VARIANTS)]
             wide = int(steps[0].sampler.sampling_mask_tensors.counts.gt(width).sum())
             out.append(Workload(name, n, vocab, width, steps, wide))
+    vocab, width, _ = KINDS["decode lp20"]
+    for n in STEADY_SIZES:
+        rng = np.random.default_rng(n + vocab + 1)
+        steps = [build_step(rng, n, vocab, width, 0) for _ in range(VARIANTS)]
+        ids = steps[0].mro_vllm.req_ids
+        for st in steps:  # new lists every step, the same strs (a persistent batch's ids)
+            st.mro_vllm, st.mro_ours, st.mro_get, st.mro_conv = (
+                make_mro(list(ids)) for _ in range(4)
+            )
+        out.append(Workload(STEADY, n, vocab, width, steps, 0))
     return out
 
 
@@ -618,7 +635,7 @@ def main(argv: list[str] | None = None) -> int:
         ps = pool.stats()
         allocations += ps.allocations
         reuses += ps.reuses
-        target = STEP_TARGETS[w.name] if w.n == STEP_TARGET_REQS else None
+        target = STEP_TARGETS.get(w.name) if w.n == STEP_TARGET_REQS else None
         sts = {k: stats(f, s) for k, f in figs.items()}
         ratios = {
             # The target: vLLM's get_output() host side against staged tensors to a batch.
