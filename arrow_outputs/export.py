@@ -331,7 +331,7 @@ def _export_run(
             if batch.num_rows == 0:
                 continue
             n = batch.num_rows
-            columns = [_relaxed_array(c, f.type) for c, f in zip(batch.columns, rows_schema)]
+            columns = _relaxed_columns(batch, rows_schema)
             columns.append(pa.array([index] * n, pa.int64()))
             yield pa.RecordBatch.from_arrays(
                 columns + _partition_columns(parts, name, index, block, n), schema=written
@@ -460,10 +460,15 @@ def _relaxed_array(col: pa.Array, target: pa.DataType, hidden: Any = None) -> pa
     return col if col.type.equals(target) else col.cast(target)
 
 
+def _relaxed_columns(batch: pa.RecordBatch, schema: pa.Schema) -> list[pa.Array]:
+    """A run's columns in the exported types of ``schema`` (:func:`_relaxed`; fields past the
+    run's own, such as a dataset's ``step_index``, are the caller's to fill)."""
+    return [_relaxed_array(c, f.type) for c, f in zip(batch.columns, schema)]
+
+
 def _relaxed_batch(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
     """A run's batch in the exported schema (:func:`_relaxed`)."""
-    columns = [_relaxed_array(c, f.type) for c, f in zip(batch.columns, schema)]
-    return pa.RecordBatch.from_arrays(columns, schema=schema)
+    return pa.RecordBatch.from_arrays(_relaxed_columns(batch, schema), schema=schema)
 
 
 def _restored(col: pa.Array, target: pa.DataType, path: str) -> pa.Array:
