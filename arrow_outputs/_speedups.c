@@ -2360,7 +2360,8 @@ new_dict(int64_t n)
  * (offsets bytes, data bytes, ids tuple, index dict), made here and never handed out: a step
  * whose offsets and UTF-8 bytes are equal byte for byte gets a new list of the same str
  * objects (immutable) and a copy of the dict, instead of decoding n strings and hashing
- * them again. Small steps gain nothing and keep no entry. */
+ * them again; any other step reuses the strs of the rows whose id is unchanged
+ * (same_row_id). Small steps gain nothing and keep no entry. */
 #define KNOWN_MIN_ROWS 32
 #define KNOWN_MAX_BYTES (1 << 20)
 
@@ -2428,6 +2429,33 @@ known_ids(PyObject *known, int64_t n)
     return ids;
 }
 
+/* The known entry's ids tuple (borrowed), or NULL when the entry is not one. */
+static PyObject *
+known_row_ids(PyObject *known)
+{
+    PyObject *kids;
+    if (!PyTuple_CheckExact(known) || PyTuple_GET_SIZE(known) != 4) {
+        return NULL;
+    }
+    kids = PyTuple_GET_ITEM(known, 2);
+    return PyTuple_CheckExact(kids) ? kids : NULL;
+}
+
+/* A new reference to the last step's id at this row when it is this row's id (an exact ASCII
+ * str of the very same bytes, compared here, so an entry can never put another id in), else
+ * NULL (no exception): a step that keeps most of its requests in their rows, as vLLM's
+ * persistent batch does while a few finish and join, decodes and hashes only the new ones. */
+static PyObject *
+same_row_id(PyObject *s, const char *bytes, int32_t len)
+{
+    if (PyUnicode_CheckExact(s) && PyUnicode_IS_COMPACT_ASCII(s) &&
+        PyUnicode_GET_LENGTH(s) == (Py_ssize_t)len &&
+        (len == 0 || memcmp(PyUnicode_DATA(s), bytes, (size_t)len) == 0)) {
+        return Py_NewRef(s);
+    }
+    return NULL;
+}
+
 /* Returns 1 with *out set, 0 for "not this path" (no exception), -1 on error. *known_out is
  * the entry to pass with the next step (see known_matches). */
 static int
@@ -2435,7 +2463,8 @@ dec_strs(const struct ArrowArray *col, int64_t n, PyObject *known, PyObject **id
          PyObject **index_out, PyObject **known_out)
 {
     const char *offs, *data;
-    PyObject *ids = NULL, *index = NULL;
+    PyObject *ids = NULL, *index = NULL, *kids;
+    Py_ssize_t kn;
     int32_t last;
 
     if (!dec_dense(col, 3, 0) || col->length != n) {
@@ -2468,6 +2497,8 @@ dec_strs(const struct ArrowArray *col, int64_t n, PyObject *known, PyObject **id
             return -1;
         }
     }
+    kids = known_row_ids(known);
+    kn = kids == NULL ? 0 : PyTuple_GET_SIZE(kids);
     ids = PyList_New((Py_ssize_t)n);
     index = new_dict(n);
     if (ids == NULL || index == NULL) {
@@ -2475,9 +2506,12 @@ dec_strs(const struct ArrowArray *col, int64_t n, PyObject *known, PyObject **id
     }
     for (int64_t i = 0; i < n; i++) {
         int32_t a = load_i32(offs, i), b = load_i32(offs, i + 1);
-        PyObject *s = b > a ? PyUnicode_DecodeUTF8(data + a, (Py_ssize_t)b - a, "strict")
-                            : PyUnicode_New(0, 0);
+        PyObject *s = i < kn ? same_row_id(PyTuple_GET_ITEM(kids, i), data + a, b - a) : NULL;
         PyObject *pos;
+        if (s == NULL) {
+            s = b > a ? PyUnicode_DecodeUTF8(data + a, (Py_ssize_t)b - a, "strict")
+                      : PyUnicode_New(0, 0);
+        }
         int rc;
         if (s == NULL) {
             if (PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) {

@@ -48,7 +48,9 @@ ids, tokens and logprobs), so no cache keyed on one step's contents can flatter 
 One workload, ``steady lp20`` (256 and 1024 requests, no target), shows the other case, the
 common one in a real run: decode steps that keep their requests, whose request ids both
 codecs reuse from the step before (the encoder's req_id column, the decoder's strs and dict;
-each still checked against the step's own data).
+each still checked against the step's own data). Another, ``churn lp20`` (256 and 1024
+requests, no target), lies between: 1 row in 64 gets a new request each step, and the
+decoder reuses the strs of the rows whose id is unchanged.
 
 Usage::
 
@@ -106,6 +108,11 @@ VARIANTS = 4
 # every other workload changes its request ids every step.
 STEADY = "steady lp20"
 STEADY_SIZES = (256, 1024)
+# "churn": decode steps in which 1 row in CHURN_EVERY gets a new request (requests finishing
+# and joining in their rows, as in vLLM's persistent batch); no target either.
+CHURN = "churn lp20"
+CHURN_SIZES = (256, 1024)
+CHURN_EVERY = 64
 
 # Targets (docs: design brief). Encode: by number of requests; decode: at every size.
 ENCODE_TARGETS = {1: 1.0, 1024: 2.0}
@@ -224,6 +231,29 @@ def steady_steps(n: int) -> list[ModelRunnerOutput]:
     return steps
 
 
+def churn_steps(n: int) -> list[ModelRunnerOutput]:
+    """Consecutive decode steps of one batch in which 1 row in ``CHURN_EVERY`` gets another
+    request each step while the rest keep theirs in their rows. The rows ``p`` with
+    ``p % (2 * CHURN_EVERY) == j`` (j < VARIANTS) switch between two requests at steps j and
+    j + VARIANTS / 2, so every step of the cycle, the wrap back to the first included,
+    changes the same number of rows; a request that comes back is one the step before did
+    not have (the codecs keep one step), so it is new to them."""
+    steps = [decode_step(n, seed) for seed in range(VARIANTS)]
+    base = steps[0].req_ids
+    alt = _req_ids(n, random.Random(-n))
+    half = VARIANTS // 2
+    for t, out in enumerate(steps):
+        ids = [
+            alt[p]
+            if p % (2 * CHURN_EVERY) < VARIANTS and (t - p % (2 * CHURN_EVERY)) % VARIANTS >= half
+            else base[p]
+            for p in range(n)
+        ]
+        out.req_ids = ids
+        out.req_id_to_index = {r: i for i, r in enumerate(ids)}
+    return steps
+
+
 def _workload(name: str, n: int, make: Callable[[int, int], ModelRunnerOutput]) -> Workload:
     return Workload(name, n, [make(n, seed) for seed in range(VARIANTS)])
 
@@ -235,6 +265,7 @@ def workloads() -> list[Workload]:
         *(_workload(f"mask ~{MASK_MEAN_IDS} ids", n, mask_step) for n in MASK_SIZES),
         # For information (no target): what run-level reuse of request ids gives.
         *(Workload(STEADY, n, steady_steps(n)) for n in STEADY_SIZES),
+        *(Workload(CHURN, n, churn_steps(n)) for n in CHURN_SIZES),
     ]
 
 
@@ -597,7 +628,7 @@ class Row:
 
 
 def _target(op: str, n: int, workload: str = "") -> float | None:
-    if workload == STEADY:
+    if workload in (STEADY, CHURN):
         return None
     if op == "encode":
         return ENCODE_TARGETS.get(n)
@@ -752,6 +783,8 @@ def format_table(rows: list[Row]) -> str:
         "targets: encode >=2x at 1024 and >=1x at 1 request, decode >=1x at every size",
         f"{STEADY}: decode steps that keep their request ids (reused by both codecs), for "
         "information: no target",
+        f"{CHURN}: decode steps in which 1 row in {CHURN_EVERY} gets a new request (the "
+        "decoder reuses the other rows' ids), for information: no target",
     ]
     return "\n".join(lines)
 

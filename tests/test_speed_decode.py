@@ -453,6 +453,55 @@ def test_decode_batch_never_reuses_request_ids_that_differ_in_one_byte() -> None
     assert got.req_id_to_index == other.req_id_to_index
 
 
+def _with_ids(out: Any, ids: list[str]) -> Any:
+    out.req_ids, out.req_id_to_index = ids, {r: i for i, r in enumerate(ids)}
+    return out
+
+
+def test_decode_batch_reuses_the_ids_of_the_rows_that_kept_their_request() -> None:
+    first = decode_lp(64, seed=1)
+    a = ao.from_record_batch(ao.to_record_batch(first, step=1))
+    ids = list(first.req_ids)
+    ids[3] = ids[3][:-1] + ("x" if ids[3][-1] != "x" else "y")  # same length, one byte
+    ids[10] = ids[10] + "-longer"
+    ids[11] = ""
+    ids[12] = "req-\u00e9\u4e2d"  # not ASCII
+    ids[20], ids[21] = ids[21], ids[20]  # two requests that swapped rows
+    ids.append("joined")  # one more row than the last step
+    second = _with_ids(decode_lp(65, seed=2), ids)
+    b = ao.from_record_batch(ao.to_record_batch(second, step=2))
+    assert ao.first_difference(b, second) is None
+    changed = {3, 10, 11, 12, 20, 21, 64}
+    for i, r in enumerate(b.req_ids):
+        assert r == ids[i]
+        # An unchanged ASCII row (vLLM's ids are ASCII) has the last step's very str, its hash
+        # already known; every other row is decoded afresh.
+        assert (i < 64 and r is a.req_ids[i]) is (i not in changed and r.isascii()), i
+    # Fewer rows than the last step: the rows there are still compared one by one.
+    third = _with_ids(decode_lp(40, seed=3), ids[:40])
+    c = ao.from_record_batch(ao.to_record_batch(third, step=3))
+    assert ao.first_difference(c, third) is None
+    assert all((c.req_ids[i] is b.req_ids[i]) is c.req_ids[i].isascii() for i in range(40))
+
+
+def test_decode_batch_reuses_only_strs_equal_to_the_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    out = decode_lp(64, seed=1)
+    ao.from_record_batch(ao.to_record_batch(out, step=1))
+    known = _accel._known_req_ids
+    # An entry whose ids are not the rows' (a str of other bytes, a str subclass, not a
+    # str): each row is compared with the str itself, so none of them comes out.
+    wrong = ["other-id-" + r[9:] for r in out.req_ids]
+    wrong[1] = type("S", (str,), {})(out.req_ids[1])
+    wrong[2] = 7  # type: ignore[call-overload]
+    monkeypatch.setattr(_accel, "_known_req_ids", (b"", b"", tuple(wrong), {}))
+    second = _with_ids(decode_lp(64, seed=2), list(out.req_ids))
+    got = ao.from_record_batch(ao.to_record_batch(second, step=2))
+    assert ao.first_difference(got, second) is None
+    assert all(type(r) is str for r in got.req_ids)
+    assert got.req_ids[1] is not wrong[1]
+    assert type(known) is tuple
+
+
 def test_decode_batch_decodes_afresh_past_a_bad_entry(monkeypatch: pytest.MonkeyPatch) -> None:
     out = decode_lp(64, seed=1)
     batch = ao.to_record_batch(out, step=1)
