@@ -37,6 +37,10 @@ that produces Arrow), and ``+enc``: from the ``ModelRunnerOutput`` (``to_record_
 inside the timed span). Targets (issue 8) are judged on the batch-in-hand figures; the
 ``+enc`` ratios are printed alongside.
 
+For information (no target), ``vLLM`` and ``objects`` also run at 1024 requests on
+``bench_encode.churn_steps``: 1 row in 64 gets a new request each step, the others keep
+theirs (the decoder reuses their request-id strs).
+
 Method: one consumer process per transport and kind, started once (spawn) and kept for the
 whole run; per size, rounds of blocks of ``--steps`` steps, one block per configuration in a
 fresh random order per round; idle consumers sleep on a control word, not on their
@@ -76,13 +80,17 @@ import pyarrow as pa
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_encode import decode_step
+from bench_encode import CHURN_EVERY, churn_steps, decode_step
 
 import arrow_outputs as ao
 from arrow_outputs.sharing import StepPublisher, StepSubscriber
 
 SIZES = (1, 64, 256, 1024)
 VARIANTS = 4
+# For information (no target): the object consumer on steps in which 1 row in CHURN_EVERY
+# gets a new request (bench_encode.churn_steps), as a scheduler receives most steps.
+CHURN_SIZES = (1024,)
+CHURN_CONFIGS = ("vllm", "objects")
 TARGETS = {"columnar": {1: 1.0, 1024: 4.0}, "objects": {1: 1.0, 1024: 2.0}}
 
 # ----------------------------------------------------------------------------- vLLM's ring
@@ -243,7 +251,7 @@ class MessageQueue:
 # ----------------------------------------------------------------------------- control
 
 # Words of a consumer's control segment (int64).
-C_CMD, C_DONE, C_KIND, C_STEPS, C_ACK, C_T0, C_N, C_SEED, C_OK, C_READY = range(10)
+C_CMD, C_DONE, C_KIND, C_STEPS, C_ACK, C_T0, C_N, C_SEED, C_OK, C_READY, C_CHURN = range(11)
 C_LAT = 16  # latencies of the current block start here
 MAX_STEPS = 4096
 IDLE, RUN, CHECK, STOP = 0, 1, 2, 3
@@ -303,7 +311,8 @@ def consumer_main(kind: str, ctl_name: str, transport: Any) -> None:
             t1 = time.perf_counter_ns()
             if what == CHECK:
                 ok = True
-                expected = decode_step(int(ctl[C_N]), int(ctl[C_SEED]))
+                n, seed = int(ctl[C_N]), int(ctl[C_SEED])
+                expected = churn_steps(n)[seed] if ctl[C_CHURN] else decode_step(n, seed)
                 if kind == "columnar":
                     ok = _inside(got.batch, sub, got.seq)
                     got = got.output()
@@ -338,9 +347,16 @@ class Consumer:
             time.sleep(0.001)
 
     def block(
-        self, what: int, steps: int, send: Callable[[int], None], n: int = 0, seed: int = 0
+        self,
+        what: int,
+        steps: int,
+        send: Callable[[int], None],
+        n: int = 0,
+        seed: int = 0,
+        churn: bool = False,
     ) -> np.ndarray:
         ctl = self.ctl
+        ctl[C_CHURN] = churn
         ctl[C_KIND] = what
         ctl[C_STEPS] = steps
         ctl[C_ACK] = 0
@@ -433,54 +449,7 @@ def main() -> int:
             batches = [ao.to_record_batch(o, step=i, schema=schema) for i, o in enumerate(outs)]
 
             senders = _senders(mq, pubs, outs, batches, schema)
-            # Correctness first: each variant through each configuration, checked by the
-            # consumer against decode_step(n, seed).
-            for cfg in CONFIGS:
-                kind, send = senders[cfg]
-                for seed in range(VARIANTS):
-
-                    def check(_i: int, s: int = seed, f: Callable[[int], None] = send) -> None:
-                        f(s)
-
-                    consumers[kind].block(CHECK, 1, check, n, seed)
-            for kind, c in consumers.items():
-                if c.ctl[C_OK] != 0:
-                    raise RuntimeError(f"{kind} consumer received a wrong step at n={n}")
-            lat: dict[str, list[float]] = {k: [] for k in CONFIGS}
-            per_round: dict[str, list[float]] = {k: [] for k in CONFIGS}
-            rng = random.Random(n)
-            for _ in range(rounds):
-                order = list(CONFIGS)
-                rng.shuffle(order)
-                for cfg in order:
-                    kind, send = senders[cfg]
-                    got = consumers[kind].block(RUN, steps, send)
-                    lat[cfg].extend(got.tolist())
-                    per_round[cfg].append(float(np.median(got)))
-            row: dict[str, Any] = {}
-            for cfg in CONFIGS:
-                row[cfg] = {
-                    "median_ns": statistics.median(lat[cfg]),
-                    "spread_pct": _spread(lat[cfg]),
-                    "samples": len(lat[cfg]),
-                }
-            for cfg in CONFIGS[1:]:
-                ratios = [v / a for v, a in zip(per_round["vllm"], per_round[cfg])]
-                q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (0, 0, 0)
-                ratio = row["vllm"]["median_ns"] / row[cfg]["median_ns"]
-                target = TARGETS[cfg.split("+")[0]].get(n) if "+" not in cfg else None
-                verdict = "-"
-                if target is not None:
-                    verdict = "PASS" if ratio >= target else "MISS"
-                    if q1 <= target <= q3:
-                        verdict += "?"
-                row[cfg].update(
-                    ratio=ratio,
-                    ratio_q1=q1,
-                    ratio_q3=q3,
-                    target=target,
-                    verdict=verdict,
-                )
+            row = _measure(consumers, senders, CONFIGS, n, rounds, steps)
             row["payload_bytes"] = {
                 "pickle": len(pickle.dumps(outs[0], protocol=5)),
                 "arrow_ipc": _ipc_size(batches[0]),
@@ -488,6 +457,16 @@ def main() -> int:
             results["sizes"][str(n)] = row
             rows.append((n, row))
         _print(rows)
+        churn: dict[str, Any] = {}
+        for n in CHURN_SIZES:
+            outs = churn_steps(n)
+            batches = [ao.to_record_batch(o, step=i, schema=schema) for i, o in enumerate(outs)]
+            senders = _senders(mq, pubs, outs, batches, schema)
+            churn[str(n)] = _measure(
+                consumers, senders, CHURN_CONFIGS, n, rounds, steps, churn=True, targets=False
+            )
+        results["churn"] = churn
+        _print_churn(churn)
         cpu = cpu_per_step(SIZES, rounds)
         results["cpu_per_step"] = cpu
         _print_cpu(cpu)
@@ -512,6 +491,64 @@ def main() -> int:
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0
+
+
+def _measure(
+    consumers: dict[str, Consumer],
+    senders: dict[str, tuple[str, Callable[[int], None]]],
+    configs: tuple[str, ...],
+    n: int,
+    rounds: int,
+    steps: int,
+    *,
+    churn: bool = False,
+    targets: bool = True,
+) -> dict[str, Any]:
+    """One size's figures for ``configs`` (the first is vLLM's, the others' baseline): each
+    variant checked by its consumer first (against ``decode_step(n, seed)``, or
+    ``churn_steps(n)[seed]``), then ``rounds`` rounds of a block of ``steps`` steps per
+    configuration in a random order."""
+    for cfg in configs:
+        kind, send = senders[cfg]
+        for seed in range(VARIANTS):
+
+            def check(_i: int, s: int = seed, f: Callable[[int], None] = send) -> None:
+                f(s)
+
+            consumers[kind].block(CHECK, 1, check, n, seed, churn)
+    for kind, c in consumers.items():
+        if c.ctl[C_OK] != 0:
+            raise RuntimeError(f"{kind} consumer received a wrong step at n={n}")
+    lat: dict[str, list[float]] = {k: [] for k in configs}
+    per_round: dict[str, list[float]] = {k: [] for k in configs}
+    rng = random.Random(n)
+    for _ in range(rounds):
+        order = list(configs)
+        rng.shuffle(order)
+        for cfg in order:
+            kind, send = senders[cfg]
+            got = consumers[kind].block(RUN, steps, send)
+            lat[cfg].extend(got.tolist())
+            per_round[cfg].append(float(np.median(got)))
+    row: dict[str, Any] = {}
+    for cfg in configs:
+        row[cfg] = {
+            "median_ns": statistics.median(lat[cfg]),
+            "spread_pct": _spread(lat[cfg]),
+            "samples": len(lat[cfg]),
+        }
+    for cfg in configs[1:]:
+        ratios = [v / a for v, a in zip(per_round["vllm"], per_round[cfg])]
+        q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (0, 0, 0)
+        ratio = row["vllm"]["median_ns"] / row[cfg]["median_ns"]
+        target = TARGETS[cfg].get(n) if targets and cfg in TARGETS else None
+        verdict = "-"
+        if target is not None:
+            verdict = "PASS" if ratio >= target else "MISS"
+            if q1 <= target <= q3:
+                verdict += "?"
+        row[cfg].update(ratio=ratio, ratio_q1=q1, ratio_q3=q3, target=target, verdict=verdict)
+    return row
 
 
 def _senders(
@@ -660,6 +697,19 @@ def _print(rows: list[tuple[int, dict[str, Any]]]) -> None:
     for n, row in rows:
         p = row["payload_bytes"]
         print(f"{n:>5} | {p['pickle']:>9} | {p['arrow_ipc']:>9}")
+
+
+def _print_churn(churn: dict[str, Any]) -> None:
+    print(
+        f"\nchurn lp20: 1 row in {CHURN_EVERY} gets a new request each step (for information, "
+        "no target):"
+    )
+    for n, row in churn.items():
+        v, o = row["vllm"], row["objects"]
+        print(
+            f"{n:>5} | vLLM {v['median_ns'] / 1e3:8.1f} ±{v['spread_pct']:.0f}% | objects "
+            f"{o['median_ns'] / 1e3:8.1f} ±{o['spread_pct']:.0f}% | x objects {o['ratio']:5.2f}x"
+        )
 
 
 if __name__ == "__main__":
