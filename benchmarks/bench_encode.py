@@ -79,6 +79,7 @@ import random
 import statistics
 import sys
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -344,13 +345,16 @@ def pickle_decode(data: bytes, buffers: list[pickle.PickleBuffer]) -> Any:
     return pickle.loads(data, buffers=buffers)
 
 
-def floor_figures(batches: list[pa.RecordBatch], schema: pa.Schema) -> list[Figure]:
+def floor_figures(
+    batches: list[pa.RecordBatch], schema: pa.Schema, fresh: FreshBatches
+) -> list[Figure]:
     """The pyarrow floor of each side (see the module docstring), or none without the C
     module (its ``build_array`` and ``array_slot`` are the cheapest ways in and out).
 
     Encode: each batch's own buffers as a ready tree of nodes (built here, untimed) and its
     step metadata; the timed call attaches the metadata, imports the tree in one call (as
-    the C path's encoder ends) and drops the batch. Decode: full validation and one export.
+    the C path's encoder ends) and drops the batch. Decode: full validation and one export
+    of a received batch, a new batch object every call (``fresh``), as our decode gets.
     """
     try:
         speedups = importlib.import_module("arrow_outputs._speedups")
@@ -381,10 +385,10 @@ def floor_figures(batches: list[pa.RecordBatch], schema: pa.Schema) -> list[Figu
     for (tree, meta), b in zip(ready, batches):  # the floor makes the very batch it times
         if not encode_floor(tree, meta).equals(b):
             raise RoundTripError("the encode floor's import differs from the encoder's batch")
-    nxt_ready, nxt_batch = itertools.cycle(ready).__next__, itertools.cycle(batches).__next__
+    nxt_ready = itertools.cycle(ready).__next__
     return [
         Figure("encode", "floor", lambda: encode_floor(*nxt_ready())),
-        Figure("decode", "floor", lambda: decode_floor(nxt_batch())),
+        Figure("decode", "floor", lambda: decode_floor(fresh.next()[0]), fresh.prepare),
     ]
 
 
@@ -398,6 +402,41 @@ def ipc_round_trip(batch: pa.RecordBatch) -> tuple[pa.RecordBatch, Any]:
 
 class RoundTripError(RuntimeError):
     """A codec did not give back what it was given: its timings would mean nothing."""
+
+
+class FreshBatches:
+    """Received batches, a new batch object for every timed call, as a receiving process
+    decodes each batch it reads once: pyarrow keeps per batch object what it builds on first
+    use (the columns' array objects, which validation and export build), so cycling a few
+    batch objects would let every call after the first find them made.
+
+    ``prepare(k)`` (untimed) reads ``k`` batches from the steps' IPC messages
+    (``pyarrow.ipc.read_record_batch`` over the message, zero-copy, with one schema object
+    for all, as one stream reader or a ``StepSubscriber`` has it); ``next()`` hands them out
+    in turn, each with its step's custom metadata.
+    """
+
+    def __init__(self, received: list[tuple[pa.RecordBatch, Any]]) -> None:
+        self.schema = received[0][0].schema
+        self.messages = []
+        for batch, custom in received:
+            message = pa.ipc.read_message(batch.serialize())
+            if not pa.ipc.read_record_batch(message, self.schema).equals(batch):
+                raise RoundTripError("a batch read from its IPC message differs from it")
+            self.messages.append((message, custom))
+        self.at = 0
+        self.ready: deque[tuple[pa.RecordBatch, Any]] = deque()
+
+    def prepare(self, k: int) -> None:
+        ready, messages, read = self.ready, self.messages, pa.ipc.read_record_batch
+        ready.clear()
+        for _ in range(k):
+            message, custom = messages[self.at % len(messages)]
+            self.at += 1
+            ready.append((read(message, self.schema), custom))
+
+    def next(self) -> tuple[pa.RecordBatch, Any]:
+        return self.ready.popleft()
 
 
 def check_round_trip(w: Workload, src: Any, back: Any, codec: str) -> None:
@@ -448,6 +487,8 @@ class Figure:
     op: str  # "encode", "decode", "decode_novalidate"
     path: str  # "c", "python", "pickle" or "floor"
     fn: Callable[[], Any]
+    # Untimed, before each sample: makes the inputs of that many calls (FreshBatches).
+    prepare: Callable[[int], None] | None = None
     number: int = 1  # calls per sample
     per_call: list[float] = field(default_factory=list)  # ns, one entry per round
     medians: list[float] = field(default_factory=list)  # running median at each check
@@ -458,7 +499,9 @@ class Figure:
         return len(last) == s.stable_checks and max(last) <= min(last) * (1 + s.stable_tol)
 
 
-def _time_calls(fn: Callable[[], Any], number: int) -> int:
+def _time_calls(fn: Callable[[], Any], number: int, prepare: Any = None) -> int:
+    if prepare is not None:
+        prepare(number)
     clock = time.perf_counter_ns
     t0 = clock()
     for _ in range(number):
@@ -474,9 +517,11 @@ def sample_rounds(figures: list[Figure], accel: Accel, s: Settings) -> int:
     for f in figures:  # warm up: caches, lazy imports, lru_caches keyed by size
         if f.path in PATHS:
             accel.use(f.path)
+        if f.prepare is not None:
+            f.prepare(3)
         for _ in range(3):
             f.fn()
-        once = min(_time_calls(f.fn, 1) for _ in range(3))
+        once = min(_time_calls(f.fn, 1, f.prepare) for _ in range(3))
         f.number = max(1, math.ceil(s.sample_ns / max(once, 1)))
     # A new order every round: a figure that always ran first after the checkpoint work
     # below, or right after a path switch, would pay for it alone (cold caches) and look
@@ -494,7 +539,7 @@ def sample_rounds(figures: list[Figure], accel: Accel, s: Settings) -> int:
             for f in order:
                 if f.path in PATHS:  # switched outside timing
                     accel.use(f.path)
-                took = _time_calls(f.fn, f.number)
+                took = _time_calls(f.fn, f.number, f.prepare)
                 f.per_call.append(took / f.number)
                 f.spent_ns += took
             rounds += 1
@@ -653,7 +698,7 @@ def run_workload(w: Workload, accel: Accel, paths: list[str], s: Settings) -> Ro
 
     figures = []
     for path in paths:
-        nxt_out, nxt_batch, nxt_batch2 = cycle(outs), cycle(received), cycle(received)
+        nxt_out, fresh, fresh2 = cycle(outs), FreshBatches(received), FreshBatches(received)
         figures += [
             Figure(
                 "encode",
@@ -663,16 +708,18 @@ def run_workload(w: Workload, accel: Accel, paths: list[str], s: Settings) -> Ro
             Figure(
                 "decode",
                 path,
-                lambda nxt=nxt_batch: ao.from_record_batch(
+                lambda nxt=fresh.next: ao.from_record_batch(
                     (got := nxt())[0], custom_metadata=got[1]
                 ),
+                fresh.prepare,
             ),
             Figure(
                 "decode_novalidate",
                 path,
-                lambda nxt=nxt_batch2: ao.from_record_batch(
+                lambda nxt=fresh2.next: ao.from_record_batch(
                     (got := nxt())[0], custom_metadata=got[1], validate=False
                 ),
+                fresh2.prepare,
             ),
         ]
     nxt_out, nxt_pickle = cycle(outs), cycle(pickles)
@@ -680,7 +727,7 @@ def run_workload(w: Workload, accel: Accel, paths: list[str], s: Settings) -> Ro
         Figure("encode", "pickle", lambda: pickle_encode(nxt_out())),
         Figure("decode", "pickle", lambda: pickle_decode(*nxt_pickle())),
     ]
-    figures += floor_figures(batches, schema)
+    figures += floor_figures(batches, schema, FreshBatches(received))
     with accel.restored():
         rounds = sample_rounds(figures, accel, s)
     by_key = {(f.op, f.path): f for f in figures}
@@ -963,6 +1010,7 @@ def results_json(
 # ----------------------------------------------------------------------------- collector on
 
 GC_SIZES = (64, 256, 1024)
+GC_CHUNK = 64  # calls timed together; the arrow side's fresh batches are read between chunks
 
 
 def gc_on_decode(accel: Accel, paths: list[str], quick: bool) -> dict[str, Any]:
@@ -971,8 +1019,9 @@ def gc_on_decode(accel: Accel, paths: list[str], quick: bool) -> dict[str, Any]:
     The tables above pause the collector, as ``timeit`` does. A scheduler process runs with
     it on, and decoding a step makes one list per request: each side is charged the
     collections its allocations set off. A sample is the mean per call over a block of calls
-    (~0.1 s; collections are rare and costly, so a median per call would leave them out),
-    the two sides' blocks interleaved; figures are medians of the blocks, with this
+    (~0.1 s of timed calls, in chunks of ``GC_CHUNK``, each arrow call on a fresh batch read
+    before its chunk; collections are rare and costly, so a median per call would leave them
+    out), the two sides' blocks interleaved; figures are medians of the blocks, with this
     process's tracked objects (what a full collection walks) printed alongside.
     """
     path = paths[0]  # the C path when it is measured
@@ -989,22 +1038,24 @@ def gc_on_decode(accel: Accel, paths: list[str], quick: bool) -> dict[str, Any]:
         for (b, custom), pickled, o in zip(received, pickles, outs):  # both give it back
             assert ao.first_difference(ao.from_record_batch(b, custom_metadata=custom), o) is None
             assert ao.first_difference(pickle_decode(*pickled), o) is None
-        sides = {
-            "arrow": (lambda x: ao.from_record_batch(x[0], custom_metadata=x[1]), received),
-            "pickle": (lambda x: pickle_decode(*x), pickles),
-        }
+        fresh, nxt_pickle = FreshBatches(received), itertools.cycle(pickles).__next__
+
+        def arrow(nxt: Callable[[], Any] = fresh.next) -> Any:
+            batch, custom = nxt()
+            return ao.from_record_batch(batch, custom_metadata=custom)
+
+        def unpickle(nxt: Callable[[], Any] = nxt_pickle) -> Any:
+            return pickle_decode(*nxt())
+
+        sides = {"arrow": (arrow, fresh.prepare), "pickle": (unpickle, None)}
         means: dict[str, list[float]] = {k: [] for k in sides}
         gc.collect()
         for _ in range(blocks):
-            for name, (fn, items) in sides.items():
-                calls, t0 = 0, time.perf_counter_ns()
-                while True:
-                    for x in items:
-                        fn(x)
-                    calls += len(items)
-                    took = time.perf_counter_ns() - t0
-                    if took >= 100_000_000:
-                        break
+            for name, (fn, prepare) in sides.items():
+                calls = took = 0
+                while took < 100_000_000:
+                    took += _time_calls(fn, GC_CHUNK, prepare)
+                    calls += GC_CHUNK
                 means[name].append(took / calls)
         arrow_ns, pickle_ns = (statistics.median(means[k]) for k in ("arrow", "pickle"))
         rows["sizes"][str(n)] = {
