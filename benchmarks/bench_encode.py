@@ -79,7 +79,6 @@ import random
 import statistics
 import sys
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -413,7 +412,8 @@ class FreshBatches:
     ``prepare(k)`` (untimed) reads ``k`` batches from the steps' IPC messages
     (``pyarrow.ipc.read_record_batch`` over the message, zero-copy, with one schema object
     for all, as one stream reader or a ``StepSubscriber`` has it); ``next()`` hands them out
-    in turn, each with its step's custom metadata.
+    in turn, each with its step's custom metadata. They are kept until the next
+    ``prepare``, so that freeing them is not timed (pickle's input is not freed either).
     """
 
     def __init__(self, received: list[tuple[pa.RecordBatch, Any]]) -> None:
@@ -425,18 +425,20 @@ class FreshBatches:
                 raise RoundTripError("a batch read from its IPC message differs from it")
             self.messages.append((message, custom))
         self.at = 0
-        self.ready: deque[tuple[pa.RecordBatch, Any]] = deque()
+        self.ready: list[tuple[pa.RecordBatch, Any]] = []
+        self.handed = iter(self.ready)
 
     def prepare(self, k: int) -> None:
-        ready, messages, read = self.ready, self.messages, pa.ipc.read_record_batch
-        ready.clear()
+        messages, read = self.messages, pa.ipc.read_record_batch
+        self.ready.clear()
         for _ in range(k):
             message, custom = messages[self.at % len(messages)]
             self.at += 1
-            ready.append((read(message, self.schema), custom))
+            self.ready.append((read(message, self.schema), custom))
+        self.handed = iter(self.ready)
 
     def next(self) -> tuple[pa.RecordBatch, Any]:
-        return self.ready.popleft()
+        return next(self.handed)
 
 
 def check_round_trip(w: Workload, src: Any, back: Any, codec: str) -> None:
