@@ -2508,11 +2508,11 @@ dec_strs(const struct ArrowArray *col, int64_t n, PyObject *known, PyObject **id
         int32_t a = load_i32(offs, i), b = load_i32(offs, i + 1);
         PyObject *s = i < kn ? same_row_id(PyTuple_GET_ITEM(kids, i), data + a, b - a) : NULL;
         PyObject *pos;
+        int rc;
         if (s == NULL) {
             s = b > a ? PyUnicode_DecodeUTF8(data + a, (Py_ssize_t)b - a, "strict")
                       : PyUnicode_New(0, 0);
         }
-        int rc;
         if (s == NULL) {
             if (PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) {
                 PyErr_Clear();
