@@ -501,7 +501,9 @@ class Figure:
         return len(last) == s.stable_checks and max(last) <= min(last) * (1 + s.stable_tol)
 
 
-def _time_calls(fn: Callable[[], Any], number: int, prepare: Any = None) -> int:
+def _time_calls(
+    fn: Callable[[], Any], number: int, prepare: Callable[[int], None] | None = None
+) -> int:
     if prepare is not None:
         prepare(number)
     clock = time.perf_counter_ns
