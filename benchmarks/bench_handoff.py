@@ -460,6 +460,8 @@ def main() -> int:
         churn: dict[str, Any] = {}
         for n in CHURN_SIZES:
             outs = churn_steps(n)
+            if len(outs) != VARIANTS:  # the senders and the check cycle through VARIANTS
+                raise RuntimeError(f"churn_steps gave {len(outs)} steps, not {VARIANTS}")
             batches = [ao.to_record_batch(o, step=i, schema=schema) for i, o in enumerate(outs)]
             senders = _senders(mq, pubs, outs, batches, schema)
             churn[str(n)] = _measure(
