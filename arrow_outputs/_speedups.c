@@ -2365,19 +2365,29 @@ new_dict(int64_t n)
 #define KNOWN_MIN_ROWS 32
 #define KNOWN_MAX_BYTES (1 << 20)
 
+/* The known entry's ids tuple (borrowed), or NULL when the entry is not one. */
+static PyObject *
+known_row_ids(PyObject *known)
+{
+    PyObject *kids;
+    if (!PyTuple_CheckExact(known) || PyTuple_GET_SIZE(known) != 4) {
+        return NULL;
+    }
+    kids = PyTuple_GET_ITEM(known, 2);
+    return PyTuple_CheckExact(kids) ? kids : NULL;
+}
+
 static int
 known_matches(PyObject *known, const char *offs, const char *data, int64_t n, int32_t last)
 {
-    PyObject *ko, *kd, *kids, *kindex;
-    if (!PyTuple_CheckExact(known) || PyTuple_GET_SIZE(known) != 4) {
+    PyObject *ko, *kd, *kids = known_row_ids(known), *kindex;
+    if (kids == NULL) {
         return 0;
     }
     ko = PyTuple_GET_ITEM(known, 0);
     kd = PyTuple_GET_ITEM(known, 1);
-    kids = PyTuple_GET_ITEM(known, 2);
     kindex = PyTuple_GET_ITEM(known, 3);
-    if (!PyBytes_CheckExact(ko) || !PyBytes_CheckExact(kd) || !PyTuple_CheckExact(kids) ||
-        !PyDict_CheckExact(kindex) || PyBytes_GET_SIZE(ko) != (Py_ssize_t)((n + 1) * 4) ||
+    if (!PyBytes_CheckExact(ko) || !PyBytes_CheckExact(kd) || !PyDict_CheckExact(kindex) || PyBytes_GET_SIZE(ko) != (Py_ssize_t)((n + 1) * 4) ||
         PyBytes_GET_SIZE(kd) != (Py_ssize_t)last || PyTuple_GET_SIZE(kids) != (Py_ssize_t)n ||
         PyDict_GET_SIZE(kindex) != (Py_ssize_t)n) {
         return 0;
@@ -2427,18 +2437,6 @@ known_ids(PyObject *known, int64_t n)
         PyList_SET_ITEM(ids, i, Py_NewRef(s));
     }
     return ids;
-}
-
-/* The known entry's ids tuple (borrowed), or NULL when the entry is not one. */
-static PyObject *
-known_row_ids(PyObject *known)
-{
-    PyObject *kids;
-    if (!PyTuple_CheckExact(known) || PyTuple_GET_SIZE(known) != 4) {
-        return NULL;
-    }
-    kids = PyTuple_GET_ITEM(known, 2);
-    return PyTuple_CheckExact(kids) ? kids : NULL;
 }
 
 /* A new reference to the last step's id at this row when it is this row's id (an exact ASCII
