@@ -35,7 +35,7 @@ from .errors import (
     ShapeError,
     UnsupportedValueError,
 )
-from .mask_tensors import SamplingMaskTensors, mask_array_supports
+from .mask_tensors import SamplingMaskTensors, _arange_offsets, mask_array_supports
 from .mask_tensors import _ramp as ramp_of
 from .masks import SAMPLING_MASK_TYPE
 from .outputs import (
@@ -254,40 +254,24 @@ class AsyncArrowOutput(AsyncModelRunnerOutput):
             raise ShapeError(
                 "sampler_output.sampled_token_ids", f"{n} rows (one per request)", str(len(padded))
             )
-        # Columns as the encoder's own would be: nodes or arrays (_column).
+        # Columns as the encoder's own would be: nodes for its C assembly, else arrays.
+        as_nodes = _as_nodes()
         prebuilt: dict[str, tuple[Any, Any]] = {}
         if n:  # a step without requests has sampled_token_ids == [], which the encoder knows
             list_type = _SAMPLED_TYPE if schema is None else schema.field("sampled_token_ids").type
-            prebuilt["sampled_token_ids"] = (_sampled_column(padded, counts, list_type), "lists")
+            prebuilt["sampled_token_ids"] = (
+                _sampled_column(padded, counts, list_type, as_nodes),
+                "lists",
+            )
         if self._masks is not None:
-            m = self._masks
-            rpr = getattr(m, "rows_per_request", 1)
-            ids, inner, outer = mask_array_supports(
-                v["mask_ids"],
-                v["mask_bits"],
-                v["mask_counts"],
-                m.vocab_size,
-                rpr,
-                counts,
-            )
-            num_pos = len(inner) - 1
-            node = (
-                len(outer) - 1,
-                0,
-                (None, outer),
-                ((num_pos, 0, (None, inner), ((len(ids), 0, (None, ids), ()),)),),
-            )
-            prebuilt["sampling_mask"] = (
-                _column(node, SAMPLING_MASK_TYPE),
-                shared_layout(offsets=True, cu=rpr > 1),
-            )
+            prebuilt["sampling_mask"] = _mask_column(self._masks, v, counts, as_nodes)
         if "num_nans" in v:
-            prebuilt["num_nans_in_logits"] = (_nans_column(v["num_nans"], n), "dict")
+            prebuilt["num_nans_in_logits"] = (_nans_column(v["num_nans"], n, as_nodes), "dict")
         # The logprobs column's encoder is already zero-copy over these staged arrays.
         lp = self._host_logprobs()
         # Fields the format has no place for are refused by name, as the encoder would.
         _refuse_unknown_fields(out, ModelRunnerOutput, "output")
-        if _as_nodes():
+        if as_nodes:
             batch = encode_staged_step(out, lp, prebuilt, step=step, schema=schema)
             if batch is not None:
                 return batch
@@ -350,8 +334,8 @@ def _as_nodes() -> bool:
     return _accel.accelerated() and hasattr(_accel, "record_batch")
 
 
-def _column(node: Node, arrow_type: pa.DataType) -> Any:
-    return node if _as_nodes() else _array_of(node, arrow_type)
+def _column(node: Node, arrow_type: pa.DataType, as_nodes: bool) -> Any:
+    return node if as_nodes else _array_of(node, arrow_type)
 
 
 def _array_of(node: Node, arrow_type: pa.DataType) -> pa.Array:
@@ -368,7 +352,9 @@ def _uniform_offsets(n: int, step: int) -> np.ndarray:
     return arange_offsets(n, step)
 
 
-def _sampled_column(padded: np.ndarray, counts: np.ndarray, list_type: pa.DataType) -> Any:
+def _sampled_column(
+    padded: np.ndarray, counts: np.ndarray, list_type: pa.DataType, as_nodes: bool
+) -> Any:
     """The sampled-ids column: row i's first ``counts[i]`` slots of ``padded``, as vLLM's
     ``del row[counts[i]:]`` keeps them (a count past the row keeps the whole row).
 
@@ -377,18 +363,18 @@ def _sampled_column(padded: np.ndarray, counts: np.ndarray, list_type: pa.DataTy
     copy, any other step one boolean gather over ``[rows, slots]``.
     """
     n, width = padded.shape
-    if counts.ndim != 1 or counts.dtype.kind not in "iu":
-        raise FieldTypeError("num_sampled_tokens", "a 1-D integer tensor", describe(counts))
     value_type = _SAMPLED_VALUE_TYPE if list_type is _SAMPLED_TYPE else list_type.value_type
     if _id_dtype(value_type) is _NP_INT64:
-        # One walk in C (or its twin) for int64 ids and int32 counts; None sends anything
-        # else (a negative count too) to the numpy path below, which raises the precise error.
+        # One walk in C (or its twin) for int64 ids and 1-D int32 counts, first; None sends
+        # anything else (a negative count too) to the checks below and their precise errors.
         got = _accel.sampled_rows(padded, counts)
         if got is not None:
             ids, ragged, k = got
             child = (len(ids) // 8, 0, (None, ids), ())
             outer = _uniform_offsets(n, k) if ragged is None else ragged
-            return _column((n, 0, (None, outer), (child,)), list_type)
+            return _column((n, 0, (None, outer), (child,)), list_type, as_nodes)
+    if counts.ndim != 1 or counts.dtype.kind not in "iu":
+        raise FieldTypeError("num_sampled_tokens", "a 1-D integer tensor", describe(counts))
     lo, hi = _count_range(counts)
     if lo < 0:
         i = int(np.argmax(counts < 0))
@@ -405,7 +391,8 @@ def _sampled_column(padded: np.ndarray, counts: np.ndarray, list_type: pa.DataTy
         offsets = np.empty(n + 1, dtype=np.int32)
         offsets[0] = 0
         np.cumsum(np.minimum(counts, width), out=offsets[1:])
-    return _column((n, 0, (None, offsets), ((values.size, 0, (None, values), ()),)), list_type)
+    node = (n, 0, (None, offsets), ((values.size, 0, (None, values), ()),))
+    return _column(node, list_type, as_nodes)
 
 
 def _count_range(counts: np.ndarray) -> tuple[int, int]:
@@ -422,7 +409,7 @@ def _count_range(counts: np.ndarray) -> tuple[int, int]:
     return int(_MIN(counts)), int(_MAX(counts))
 
 
-def _nans_column(nans: np.ndarray, n: int) -> Any:
+def _nans_column(nans: np.ndarray, n: int, as_nodes: bool) -> Any:
     """int32 NaN counts, one per request; zip() in vLLM stops at the shorter, so requests past
     the tensor's length have no entry (null)."""
     if nans.ndim != 1:
@@ -431,17 +418,47 @@ def _nans_column(nans: np.ndarray, n: int) -> Any:
     # counts for every request (what vLLM stages) in one C call; the rest below.
     head = _accel.int32_head(nans, n)
     if head is not None:
-        return _column((n, 0, (None, head), ()), _NANS_TYPE)
+        return _column((n, 0, (None, head), ()), _NANS_TYPE, as_nodes)
     values = _ints_as(
         nans[:n], _NP_INT32, "sampler_output.num_nans", "counts within int32", copy=True
     )
     k = len(values)
     if k == n:
-        return _column((n, 0, (None, values), ()), _NANS_TYPE)
+        return _column((n, 0, (None, values), ()), _NANS_TYPE, as_nodes)
     padded = np.zeros(n, np.int32)
     padded[:k] = values
     validity = np.packbits(_ramp(n) < k, bitorder="little")
-    return _column((n, n - k, (validity, padded), ()), _NANS_TYPE)
+    return _column((n, n - k, (validity, padded), ()), _NANS_TYPE, as_nodes)
+
+
+def _mask_column(
+    masks: Any, views: dict[str, np.ndarray], counts: np.ndarray, as_nodes: bool
+) -> tuple[Any, Any]:
+    """The sampling-mask column (and its layout) from the staged mask arrays: compact rows
+    selected by their counts, wide rows read from the bitmask (``mask_array_supports``)."""
+    rpr = getattr(masks, "rows_per_request", 1)
+    tok, bits, kept = views["mask_ids"], views["mask_bits"], views["mask_counts"]
+    vocab = masks.vocab_size
+    # The C walk first (on the C path: as_nodes), over the staged numpy arrays as they are;
+    # None sends the step to mask_array_supports, whose checks raise the precise error.
+    got = _accel.mask_supports(tok, bits, kept, vocab, rpr, counts) if as_nodes else None
+    ids: Any
+    inner: Any
+    if got is not None:
+        ids, inner, cu = got  # bytearrays: int32 ids, int64 inner offsets, int32 cu or None
+        num_ids, num_pos = len(ids) // 4, len(inner) // 8 - 1
+        outer: Any = _arange_offsets(num_pos) if cu is None else cu
+        num_reqs = num_pos if cu is None else len(cu) // 4 - 1
+    else:
+        ids, inner, outer = mask_array_supports(tok, bits, kept, vocab, rpr, counts)
+        num_ids, num_pos, num_reqs = len(ids), len(inner) - 1, len(outer) - 1
+    node = (
+        num_reqs,
+        0,
+        (None, outer),
+        ((num_pos, 0, (None, inner), ((num_ids, 0, (None, ids), ()),)),),
+    )
+    return _column(node, SAMPLING_MASK_TYPE, as_nodes), shared_layout(offsets=True, cu=rpr > 1)
 
 
 def _ramp(n: int) -> np.ndarray:

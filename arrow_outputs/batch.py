@@ -152,6 +152,7 @@ class _Run:
         "arrow_types",
         "last_req_ids",
         "metadata",
+        "misses",
         "null_columns",
         "null_nodes",
         "schema",
@@ -170,17 +171,26 @@ class _Run:
         # (a copy of the last step's req_ids, its req_id node): one tuple, so that a reader
         # on another thread never pairs one step's ids with another's column.
         self.last_req_ids: tuple[list[Any], Any] | None = None
+        self.misses = 0  # steps in a row whose req_id column was not reused
 
     def req_id_column(self, req_ids: list[Any]) -> Any:
         """The req_id column; on the C path the last step's when req_ids holds the very same
-        str objects in the same order (vLLM's decode steps keep their requests), which were
-        proven exact strs with a UTF-8 form when that column was built."""
+        str objects in the same order (a decode step that kept every request), which were
+        proven exact strs with a UTF-8 form when that column was built.
+
+        The copy of req_ids that the next step is compared with costs about what a reuse
+        saves, and steps that lose or gain a request never reuse: after
+        ``_SNAPSHOT_AFTER`` steps in a row without reuse, the copy is taken only every
+        ``_SNAPSHOT_EVERY``-th step, which notices when the steps settle again."""
         last = self.last_req_ids
         if last is not None and _accel.accelerated() and _accel.same_items(req_ids, last[0]):
+            self.misses = 0
             return last[1]
         col = _req_id_array(req_ids)
         if type(col) is tuple:  # a node: the C walk accepted every id
-            self.last_req_ids = (list(req_ids), col)
+            misses = self.misses = self.misses + 1
+            keep = misses <= _SNAPSHOT_AFTER or misses % _SNAPSHOT_EVERY == 0
+            self.last_req_ids = (list(req_ids), col) if keep else None
         return col
 
     def absent(self, n: int) -> dict[str, Any]:
@@ -220,6 +230,11 @@ def _held_node(node: Any) -> Any:
     held = tuple(memoryview(b) if isinstance(b, pa.Buffer) else b for b in buffers)
     return (length, nulls, held, tuple(map(_held_node, children)))
 
+
+# req_id column reuse (_Run.req_id_column): the copy of req_ids is taken every step until
+# this many steps in a row missed, then every _SNAPSHOT_EVERY-th step only.
+_SNAPSHOT_AFTER = 8
+_SNAPSHOT_EVERY = 8
 
 _RUNS: list[_Run] = []  # most recent first
 
@@ -871,10 +886,16 @@ _CODECS: dict[str, _Codec] = {
 # The columns a staged decode step (encode_staged_step) may have absent: (column, output
 # field, the type of the field's empty value: None for None).
 _STAGED_ABSENT = tuple(
-    (name, codec.output_field, None if codec.absent() is None else type(codec.absent()))
+    (
+        name,
+        codec.output_field,
+        None if codec.absent() is None else type(codec.absent()),
+        _FIELDS[ModelRunnerOutput][codec.output_field],  # what an older vLLM's object lacks
+    )
     for name, codec in _CODECS.items()
     if name not in ("sampled_token_ids", "logprobs")
 )
+assert dataclasses.MISSING not in (default for *_, default in _STAGED_ABSENT)
 # step, req_id and req_index identify the rows; every other column has a codec.
 assert COLUMNS[3:] == tuple(_CODECS), "the codec table and the schema disagree"
 # Column lookups by name cost 3x lookups by position; positions come from the schema's table.
@@ -1049,10 +1070,10 @@ def encode_staged_step(
         return None
     if not (step is None or (type(step) is int and -(2**63) <= step < 2**63)):
         return None
-    for name, field, kind in _STAGED_ABSENT:
+    for name, field, kind, default in _STAGED_ABSENT:
         if name in prebuilt:
             continue
-        value = _get(output, field, ModelRunnerOutput)
+        value = getattr(output, field, default)  # _get, for fields that have a default
         if not (value is None if kind is None else (type(value) is kind and not value)):
             return None
     if not _accel.index_in_order(req_ids, index):

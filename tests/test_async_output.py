@@ -442,3 +442,22 @@ def test_async_arrow_output_decode_step_errors_are_the_encoders(fault: str) -> N
             AsyncArrowOutput(m, sampler, counts).get_record_batch(schema=schema)
         assert type(got.value) is type(want.value)
         assert str(got.value) == str(want.value)
+
+
+@pytest.mark.parametrize("fault", ["bitmask-disagrees", "count-past-vocab"])
+def test_async_arrow_output_mask_errors_are_the_mask_converters(fault: str) -> None:
+    # The batch tries the C walk over the staged masks first; a mask it declines gets the
+    # checked path's error, the one mask_tensors_to_arrow gives for the same tensors.
+    mro, sampler, counts = _masked_step(6, 1)
+    masks = sampler.sampling_mask_tensors
+    wide = int(torch.nonzero(masks.counts > masks.token_ids.shape[1])[0, 0])
+    bad = masks.counts.clone()
+    bad[wide] = bad[wide] + 1 if fault == "bitmask-disagrees" else masks.vocab_size + 1
+    masks = ao.SamplingMaskTensors(masks.token_ids, masks.packed_mask, bad, masks.vocab_size)
+    sampler = dataclasses.replace(sampler, sampling_mask_tensors=masks)
+    with pytest.raises(ao.ArrowOutputsError) as want:
+        ao.mask_tensors_to_arrow(masks, counts.numpy())
+    with pytest.raises(ao.ArrowOutputsError) as got:
+        AsyncArrowOutput(mro, sampler, counts).get_record_batch(step=1)
+    assert type(got.value) is type(want.value)
+    assert str(got.value) == str(want.value)

@@ -177,6 +177,36 @@ def test_req_id_column_reused_only_for_the_same_objects() -> None:
     assert errors[0] == errors[1]
 
 
+@needs_c
+def test_req_id_column_reuse_after_a_run_of_changing_steps() -> None:
+    # Steps that change their requests never reuse, so after a run of them the copy of
+    # req_ids is taken only now and then (_SNAPSHOT_EVERY); once the steps settle, reuse
+    # comes back within that many steps, and every batch holds its own ids throughout.
+    from arrow_outputs import batch as batch_module
+
+    first = [f"warm-{i}" for i in range(4)]
+    schema = ao.run_schema(
+        ao.to_record_batch(ao.ModelRunnerOutput(first, {r: i for i, r in enumerate(first)}))
+    )
+
+    def encode(req_ids: list[Any]) -> pa.RecordBatch:
+        out = ao.ModelRunnerOutput(
+            req_ids, {r: i for i, r in enumerate(req_ids)}, [[i] for i in range(len(req_ids))]
+        )
+        got = _on("c", lambda: ao.to_record_batch(out, step=0, schema=schema))
+        assert got.column("req_id").to_pylist() == req_ids
+        return got
+
+    for step in range(3 * batch_module._SNAPSHOT_AFTER):  # every step new requests
+        encode([f"r{step}-{i}" for i in range(4)])
+    steady = [f"steady-{i}" for i in range(4)]
+    kept = [encode(list(steady)) for _ in range(batch_module._SNAPSHOT_EVERY + 2)]  # alive
+    addresses = [int(b.column("req_id").buffers()[2].address) for b in kept]
+    # Reused: the very column of an earlier step, and the steps after it reuse it too.
+    assert addresses[-1] in addresses[:-1]
+    assert addresses[-1] == addresses[-2]
+
+
 # ----------------------------------------------------------------------------- build_array
 
 
