@@ -117,35 +117,63 @@ def _c_decode_batch(batch: pa.RecordBatch, *plan: Any) -> tuple[Any, ...] | None
 decode_batch: Any = None
 
 
-def _c_record_batch(columns: list[Any], schema: pa.Schema, n: int) -> pa.RecordBatch:
-    """:func:`_pyspeedups.record_batch` in one import: the C module assembles every column's
-    ArrowArray (no copy) and pyarrow imports the tree against ``schema``, whose types it
-    already holds (one C Data Interface crossing instead of a constructor call per array).
+def _c_record_batch(
+    columns: list[Any], schema: pa.Schema, n: int, metadata: dict[bytes, bytes] | None = None
+) -> pa.RecordBatch:
+    """:func:`_pyspeedups.record_batch` in one import: the C module assembles the node
+    columns' ArrowArrays (no copy) and pyarrow imports them against their fields, whose types
+    it already holds (one C Data Interface crossing instead of a constructor call per array).
 
-    An array column becomes a node only when it is of its field's type (``from_arrays``
-    would refuse it otherwise, and the import would read its buffers as the field's type);
-    any column a node cannot describe sends the whole batch to the specification.
+    A column given as a pyarrow array of its field's type joins the batch after the import
+    as it is (``add_column``: its arrays are not imported again, a third of the cost for the
+    all-null columns of absent fields); any other column sends the whole batch to the
+    specification, which raises what ``from_arrays`` raises.
     """
     if _compiled is None or len(columns) != len(schema):
-        return _pyspeedups.record_batch(columns, schema, n)
-    if list(map(type, columns)).count(tuple) == len(columns):  # every column a node already
+        return _pyspeedups.record_batch(columns, schema, n, metadata)
+    kinds = list(map(type, columns))
+    if kinds.count(tuple) == len(columns):  # every column a node
         nodes = tuple(columns)
+        arrays: list[int] = []
+        target = schema if metadata is None else schema.with_metadata(metadata)
     else:
-        as_nodes = []
-        for i, col in enumerate(columns):
-            if type(col) is not tuple:
-                node = _pyspeedups.node_of(col) if col.type.equals(schema.field(i).type) else None
-                if node is None:
-                    return _pyspeedups.record_batch(columns, schema, n)
-                col = node
-            as_nodes.append(col)
-        nodes = tuple(as_nodes)
+        at = tuple(i for i, kind in enumerate(kinds) if kind is tuple)
+        if not at:
+            return _pyspeedups.record_batch(columns, schema, n, metadata)
+        fields, part = _columns_of(schema, at)
+        arrays = [i for i, kind in enumerate(kinds) if kind is not tuple]
+        for i in arrays:
+            if not isinstance(columns[i], pa.Array) or not columns[i].type.equals(fields[i].type):
+                return _pyspeedups.record_batch(columns, schema, n, metadata)
+        nodes = tuple(columns[i] for i in at)
+        meta = schema.metadata if metadata is None else metadata
+        target = part.with_metadata(meta) if meta else part
     capsule, address = _compiled.build_array((n, 0, (None,), nodes))
-    batch = pa.RecordBatch._import_from_c(address, schema)
+    batch = pa.RecordBatch._import_from_c(address, target)
     del capsule  # moved into the batch by the import; releases the tree only if it was not
-    # The checks from_buffers and from_arrays make (buffer sizes, offsets against lengths).
+    # The checks from_buffers and from_arrays make (buffer sizes, offsets against lengths);
+    # the arrays added below were checked when pyarrow made them.
     batch.validate()
+    for i in arrays:  # in column order: every column before i is in place
+        batch = batch.add_column(i, fields[i], columns[i])
     return batch
+
+
+# (id(schema), positions of the node columns) -> (schema, its fields, a schema of those
+# columns alone); the schema is held, so its id is not reused while the entry lives.
+_PARTS: dict[tuple[int, tuple[int, ...]], tuple[pa.Schema, tuple[Any, ...], pa.Schema]] = {}
+
+
+def _columns_of(schema: pa.Schema, at: tuple[int, ...]) -> tuple[tuple[Any, ...], pa.Schema]:
+    """``schema``'s fields, and a schema (without metadata) of the columns at ``at``."""
+    key = (id(schema), at)
+    got = _PARTS.get(key)
+    if got is None or got[0] is not schema:
+        if len(_PARTS) >= 32:
+            _PARTS.clear()
+        fields = tuple(schema)
+        got = _PARTS[key] = (schema, fields, pa.schema([fields[i] for i in at]))
+    return got[1], got[2]
 
 
 def set_pure_python(flag: bool) -> None:

@@ -732,12 +732,17 @@ def node_of(arr: pa.Array) -> Node | None:
     return (len(arr), arr.null_count, buffers, tuple(kids))
 
 
-def record_batch(columns: list[Any], schema: pa.Schema, n: int) -> pa.RecordBatch:
-    """The batch of ``n`` rows whose columns are ``columns`` (nodes or arrays), in ``schema``.
+def record_batch(
+    columns: list[Any], schema: pa.Schema, n: int, metadata: dict[bytes, bytes] | None = None
+) -> pa.RecordBatch:
+    """The batch of ``n`` rows whose columns are ``columns`` (nodes or arrays), in ``schema``
+    (with ``metadata`` as its schema metadata when given).
 
     Arrays must be of their field's type (``from_arrays`` refuses others); nodes are read as
     their field's type, which their builder guarantees.
     """
+    if metadata is not None:
+        schema = schema.with_metadata(metadata)
     arrays = [
         c if isinstance(c, pa.Array) else array_of(c, schema.field(i).type)
         for i, c in enumerate(columns)

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import pyarrow as pa
 
-from . import _accel, _pyspeedups, _stepmeta
+from . import _accel, _stepmeta
 from ._checks import arange_offsets, check_monotonic, describe, is_arange
 from ._jsonish import Dropped, from_jsonable, to_jsonable
 from .errors import (
@@ -154,7 +154,6 @@ class _Run:
         "metadata",
         "misses",
         "null_columns",
-        "null_nodes",
         "schema",
         "types",
     )
@@ -167,7 +166,6 @@ class _Run:
         # A batch's schema may be passed as a run schema: its step key is that step's, not ours.
         self.metadata.pop(KEY_STEP, None)
         self.null_columns: dict[int, dict[str, pa.Array]] = {}
-        self.null_nodes: dict[int, dict[str, Any]] = {}
         # (a copy of the last step's req_ids, its req_id node): one tuple, so that a reader
         # on another thread never pairs one step's ids with another's column.
         self.last_req_ids: tuple[list[Any], Any] | None = None
@@ -193,23 +191,9 @@ class _Run:
             self.last_req_ids = (list(req_ids), col) if keep else None
         return col
 
-    def absent(self, n: int) -> dict[str, Any]:
-        """The all-null columns of ``n`` rows in the form the path assembles: nodes over the
-        cached arrays' buffers for the C assembly, the arrays themselves otherwise."""
-        if not _accel.accelerated():
-            return self.nulls(n)
-        nodes = self.null_nodes.get(n)
-        if nodes is None:
-            if len(self.null_nodes) > 64:
-                self.null_nodes.clear()
-            arrays = self.nulls(n)
-            nodes = self.null_nodes[n] = {
-                name: _held_node(_pyspeedups.node_of(arr)) or arr for name, arr in arrays.items()
-            }
-        return nodes
-
     def nulls(self, n: int) -> dict[str, pa.Array]:
-        """All-null columns of ``n`` rows by name (absent fields); steps repeat sizes."""
+        """All-null columns of ``n`` rows by name (absent fields); steps repeat sizes. Both
+        paths assemble them as they are (the C assembly adds them after its import)."""
         cols = self.null_columns.get(n)
         if cols is None:
             if len(self.null_columns) > 64:
@@ -218,17 +202,6 @@ class _Run:
                 name: pa.nulls(n, t) for name, t in zip(self.schema.names, self.schema.types)
             }
         return cols
-
-
-def _held_node(node: Any) -> Any:
-    """``node`` (or None) with its pyarrow Buffers held by memoryviews, for nodes that are
-    kept and assembled into every step's batch: the C assembly takes a memoryview's buffer a
-    third faster than a pyarrow Buffer's (a Cython method)."""
-    if node is None:
-        return None
-    length, nulls, buffers, children = node
-    held = tuple(memoryview(b) if isinstance(b, pa.Buffer) else b for b in buffers)
-    return (length, nulls, held, tuple(map(_held_node, children)))
 
 
 # req_id column reuse (_Run.req_id_column): the copy of req_ids is taken every step until
@@ -380,7 +353,7 @@ class _Enc(NamedTuple):
     req_id_to_index: dict[str, int]
     n: int
     types: ColumnTypes
-    nulls: dict[str, Any]  # absent columns: arrays, or nodes on the C assembly (_Run.absent)
+    nulls: dict[str, pa.Array]  # absent columns (_Run.nulls)
     arrow_types: dict[str, pa.DataType]
 
 
@@ -994,7 +967,7 @@ def encode_step(
             "metadata", "None when a schema is given (run metadata lives in the schema)", "a dict"
         )
     run = _run_of(schema)
-    ctx = _Enc(output, req_ids, index, n, run.types, run.absent(n), run.arrow_types)
+    ctx = _Enc(output, req_ids, index, n, run.types, run.nulls(n), run.arrow_types)
     arrays, identity = _row_columns(run, req_ids, n, step)
     layouts = []
     for name, codec in _CODECS.items():
@@ -1037,7 +1010,7 @@ def _finish(
     _stepmeta.register(identity, raw)
     run_meta = run.metadata.copy()
     run_meta[KEY_STEP] = raw
-    batch = _accel.record_batch(arrays, schema.with_metadata(run_meta), n)
+    batch = _accel.record_batch(arrays, schema, n, run_meta)
     _stepmeta.register_batch(batch, raw, run.types)
     return batch
 
@@ -1092,7 +1065,7 @@ def encode_staged_step(
         return None
     n = len(req_ids)
     arrays, identity = _row_columns(run, req_ids, n, step)
-    nulls = run.absent(n)
+    nulls = run.nulls(n)
     layouts = []
     for name in _CODECS:  # the columns in the table's (and the schema's) order
         if name in prebuilt:

@@ -134,11 +134,13 @@ class PoolStats:
 class _Slab:
     """One pinned (or plain) host allocation, with its numpy view made once."""
 
-    __slots__ = ("address", "array", "nbytes", "tensor")
+    __slots__ = ("address", "array", "nbytes", "tensor", "view")
 
     def __init__(self, tensor: Any) -> None:
         self.tensor = tensor  # uint8, 1-D
         self.array: np.ndarray = tensor.numpy()  # a view: host memory, pinned or not
+        # The copies' destination: a memoryview gives its buffer faster than numpy does.
+        self.view = memoryview(self.array)
         self.address: int = tensor.data_ptr()
         self.nbytes: int = self.array.size
 
@@ -299,12 +301,14 @@ class StagingPool:
         sizes: list[int] = []
         total = staged_bytes = 0
         on_cuda = False
+        names = _DTYPE_NAMES
         for i, t in enumerate(items):
             if not isinstance(t, tensor_type):
                 raise FieldTypeError(f"tensors[{i}]", "a torch tensor", describe(t))
             nbytes = t.nbytes
             sizes.append(nbytes)
-            specs.append((total, _dtype_name(t.dtype), tuple(t.shape)))
+            dtype = t.dtype
+            specs.append((total, names.get(dtype) or _dtype_name(dtype), tuple(t.shape)))
             staged_bytes += nbytes
             total += -(-nbytes // _ALIGN) * _ALIGN
             on_cuda = on_cuda or t.is_cuda
@@ -323,7 +327,8 @@ class StagingPool:
                 event = torch.cuda.Event()
                 event.record(side)
         else:
-            dst = slab.array
+            dst = slab.view
+            copy = _accel.copy_from_address
             for t, (off, _, _), nbytes in zip(items, specs, sizes):
                 # The bytes as they lie (any dtype, bfloat16 and bool too): one memmove into
                 # the region sized for them above, a few times cheaper than numpy's or torch's
@@ -333,7 +338,7 @@ class StagingPool:
                     t.is_cpu
                     and t.is_contiguous()
                     and not (t.is_conj() or t.is_neg())
-                    and _accel.copy_from_address(dst, off, t.data_ptr(), nbytes)
+                    and copy(dst, off, t.data_ptr(), nbytes)
                 ):
                     _region(slab.tensor, off, t).copy_(t)
         with self._lock:

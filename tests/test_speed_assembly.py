@@ -144,7 +144,9 @@ def test_same_items_agree() -> None:
 def test_req_id_column_reused_only_for_the_same_objects() -> None:
     ids = [f"cmpl-{i:04d}-0" for i in range(5)]
     first_out = ao.ModelRunnerOutput(ids, {r: i for i, r in enumerate(ids)}, [[0]] * len(ids))
-    schema = ao.run_schema(ao.to_record_batch(first_out, step=0))
+    # A run of its own: no other test's steps count as this run's (reuse follows the run).
+    meta = {"test": "req_id_column_reused_only_for_the_same_objects"}
+    schema = ao.run_schema(ao.to_record_batch(first_out, step=0, metadata=meta))
 
     def batch(req_ids: list[Any]) -> pa.RecordBatch:
         out = ao.ModelRunnerOutput(
@@ -185,9 +187,9 @@ def test_req_id_column_reuse_after_a_run_of_changing_steps() -> None:
     from arrow_outputs import batch as batch_module
 
     first = [f"warm-{i}" for i in range(4)]
-    schema = ao.run_schema(
-        ao.to_record_batch(ao.ModelRunnerOutput(first, {r: i for i, r in enumerate(first)}))
-    )
+    out = ao.ModelRunnerOutput(first, {r: i for i, r in enumerate(first)})
+    meta = {"test": "req_id_column_reuse_after_a_run_of_changing_steps"}  # a run of its own
+    schema = ao.run_schema(ao.to_record_batch(out, metadata=meta))
 
     def encode(req_ids: list[Any]) -> pa.RecordBatch:
         out = ao.ModelRunnerOutput(
