@@ -131,20 +131,15 @@ def _c_record_batch(
     """
     if _compiled is None or len(columns) != len(schema):
         return _pyspeedups.record_batch(columns, schema, n, metadata)
-    kinds = list(map(type, columns))
+    kinds = tuple(map(type, columns))
     if kinds.count(tuple) == len(columns):  # every column a node
         nodes = tuple(columns)
-        arrays: list[int] = []
+        arrays: tuple[int, ...] = ()
         target = schema if metadata is None else schema.with_metadata(metadata)
     else:
-        at = tuple(i for i, kind in enumerate(kinds) if kind is tuple)
-        if not at:
+        fields, at, arrays, part = _columns_of(schema, kinds)
+        if not at or not all(isinstance(columns[i], pa.Array) for i in arrays):
             return _pyspeedups.record_batch(columns, schema, n, metadata)
-        fields, part = _columns_of(schema, at)
-        arrays = [i for i, kind in enumerate(kinds) if kind is not tuple]
-        for i in arrays:
-            if not isinstance(columns[i], pa.Array) or not columns[i].type.equals(fields[i].type):
-                return _pyspeedups.record_batch(columns, schema, n, metadata)
         nodes = tuple(columns[i] for i in at)
         meta = schema.metadata if metadata is None else metadata
         target = part.with_metadata(meta) if meta else part
@@ -154,26 +149,35 @@ def _c_record_batch(
     # The checks from_buffers and from_arrays make (buffer sizes, offsets against lengths);
     # the arrays added below were checked when pyarrow made them.
     batch.validate()
-    for i in arrays:  # in column order: every column before i is in place
-        batch = batch.add_column(i, fields[i], columns[i])
+    try:
+        for i in arrays:  # in column order: every column before i is in place
+            batch = batch.add_column(i, fields[i], columns[i])
+    except (pa.ArrowTypeError, pa.ArrowInvalid):  # not of its field's type, or length
+        return _pyspeedups.record_batch(columns, schema, n, metadata)
     return batch
 
 
-# (id(schema), positions of the node columns) -> (schema, its fields, a schema of those
-# columns alone); the schema is held, so its id is not reused while the entry lives.
-_PARTS: dict[tuple[int, tuple[int, ...]], tuple[pa.Schema, tuple[Any, ...], pa.Schema]] = {}
+# (id(schema), the columns' types) -> (schema, its fields, the positions of the node columns,
+# those of the others, a schema of the node columns alone); the schema is held, so its id is
+# not reused while the entry lives.
+_PARTS: dict[tuple[int, tuple[type, ...]], tuple[Any, ...]] = {}
 
 
-def _columns_of(schema: pa.Schema, at: tuple[int, ...]) -> tuple[tuple[Any, ...], pa.Schema]:
-    """``schema``'s fields, and a schema (without metadata) of the columns at ``at``."""
-    key = (id(schema), at)
+def _columns_of(
+    schema: pa.Schema, kinds: tuple[type, ...]
+) -> tuple[tuple[Any, ...], tuple[int, ...], tuple[int, ...], pa.Schema]:
+    """``schema``'s fields, the positions of the node columns (``kinds``: each column's type)
+    and of the others, and a schema (without metadata) of the node columns alone."""
+    key = (id(schema), kinds)
     got = _PARTS.get(key)
     if got is None or got[0] is not schema:
         if len(_PARTS) >= 32:
             _PARTS.clear()
         fields = tuple(schema)
-        got = _PARTS[key] = (schema, fields, pa.schema([fields[i] for i in at]))
-    return got[1], got[2]
+        at = tuple(i for i, kind in enumerate(kinds) if kind is tuple)
+        others = tuple(i for i, kind in enumerate(kinds) if kind is not tuple)
+        got = _PARTS[key] = (schema, fields, at, others, pa.schema([fields[i] for i in at]))
+    return got[1], got[2], got[3], got[4]
 
 
 def set_pure_python(flag: bool) -> None:
