@@ -6,9 +6,9 @@ stream or file carries per batch). A schema is shared by every batch of a stream
 so step metadata found in a schema is trusted only for the very batch that was made with
 it: :func:`register` remembers the step column buffer that ``to_record_batch`` allocated
 for that batch, and :func:`owns` proves a batch (or a slice of it) still holds that buffer.
-:func:`register_batch` also remembers the batch object itself, so that the batch as it was
-made (the common case: written, published or decoded right away) is recognised by
-:func:`made` without reading its columns.
+It also remembers the batch object itself, so that the batch as it was made (the common
+case: written, published or decoded right away) is recognised by :func:`made` without
+reading its columns.
 
 Everything read from the JSON is untrusted: :func:`parse` checks every key, type and bound
 before any of it is used, and names the metadata path of the first violation.
@@ -29,7 +29,7 @@ import pyarrow as pa
 
 from .errors import StepMetadataError
 
-__all__ = ["made", "made_with", "owns", "parse", "register", "register_batch"]
+__all__ = ["made", "made_with", "owns", "parse", "register"]
 
 INT32_MAX = 2**31 - 1
 INT64 = (-(2**63), 2**63 - 1)
@@ -304,23 +304,21 @@ class _Table(dict[int, tuple[Any, ...]]):
 _OWNED = _Table(1024)
 
 
-def register(values: array.array[int], raw: bytes) -> None:
-    """Remember that step metadata ``raw`` belongs to the batch whose step column owns
-    ``values`` (a fresh array per batch), for as long as the array lives."""
-    address, count = values.buffer_info()  # its memory's address, without a buffer object
-    _OWNED.put(address, (weakref.ref(values), count * values.itemsize, raw))
-
-
 # id(batch) -> (weak reference to the batch, its step JSON, what its maker knew of it), for
 # the whole batches to_record_batch returned; a dead reference never matches (ids are reused
 # only after the batch is gone). Same table as _OWNED.
 _BATCHES = _Table(1024)
 
 
-def register_batch(batch: pa.RecordBatch, raw: bytes, known: Any = None) -> None:
-    """Remember that ``batch``, as ``to_record_batch`` returns it (a whole step), was made
-    with step metadata ``raw``; ``known``: what the maker knew of its schema (the run's
-    column types), handed back by :func:`made_with`."""
+def register(
+    values: array.array[int], raw: bytes, batch: pa.RecordBatch, known: Any = None
+) -> None:
+    """Remember that step metadata ``raw`` belongs to the batch whose step column owns
+    ``values`` (a fresh array per batch), for as long as the array lives; and that ``batch``,
+    as ``to_record_batch`` returns it (a whole step), was made with it. ``known``: what its
+    maker knew of its schema (the run's column types), handed back by :func:`made_with`."""
+    address, count = values.buffer_info()  # its memory's address, without a buffer object
+    _OWNED.put(address, (weakref.ref(values), count * values.itemsize, raw))
     _BATCHES.put(id(batch), (weakref.ref(batch), raw, known))
 
 

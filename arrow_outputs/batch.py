@@ -1007,11 +1007,10 @@ def _finish(
         obj = getattr(output, key, None)  # None is these fields' default (an older vLLM's)
         objects.append(None if obj is None else _step_object(obj, key, opaque, dropped))
     raw = _step_json(step, n, layouts, objects, dropped)
-    _stepmeta.register(identity, raw)
     run_meta = run.metadata.copy()
     run_meta[KEY_STEP] = raw
     batch = _accel.record_batch(arrays, schema, n, run_meta)
-    _stepmeta.register_batch(batch, raw, run.types)
+    _stepmeta.register(identity, raw, batch, run.types)
     return batch
 
 

@@ -428,8 +428,10 @@ class Staged:
         whole = memoryview(
             pa.foreign_buffer(self._lease._slab.address, self._nbytes, base=self._lease)
         )
+        dtypes = _VIEW_DTYPES
         return [
-            np.ndarray(shape, _view_dtype(dtype), whole, off) for off, dtype, shape in self._specs
+            np.ndarray(shape, dtypes.get(dtype) or _view_dtype(dtype), whole, off)
+            for off, dtype, shape in self._specs
         ]
 
     def tensor(self, i: int) -> Any:
