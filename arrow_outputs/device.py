@@ -127,7 +127,7 @@ class PoolStats:
     slabs: int  # slabs the pool holds now
     allocations: int  # slabs allocated (pinned allocations, with CUDA)
     reuses: int  # stagings that took an existing slab
-    bytes_staged: int  # bytes copied into slabs
+    bytes_staged: int  # bytes of the tensors stage() took (counted as it takes their slab)
     waits: int  # stagings that waited for a slab to come back
 
 
@@ -242,8 +242,10 @@ class StagingPool:
             if self._waiting:
                 self._cond.notify()
 
-    def _acquire(self, nbytes: int) -> _Slab:
+    def _acquire(self, nbytes: int, staged: int) -> _Slab:
+        """A slab of at least ``nbytes``; ``staged`` bytes are counted as staged."""
         with self._lock:
+            self._bytes += staged
             free = self._free
             if len(free) == 1 and free[0].nbytes >= nbytes:  # the one free slab fits: best
                 self._reuses += 1
@@ -312,7 +314,7 @@ class StagingPool:
             staged_bytes += nbytes
             total += -(-nbytes // _ALIGN) * _ALIGN
             on_cuda = on_cuda or t.is_cuda
-        slab = self._acquire(max(total, 1))
+        slab = self._acquire(max(total, 1), staged_bytes)
         lease = _Lease(self, slab)
         event = None
         if on_cuda:
@@ -341,8 +343,6 @@ class StagingPool:
                     and copy(dst, off, t.data_ptr(), nbytes)
                 ):
                     _region(slab.tensor, off, t).copy_(t)
-        with self._lock:
-            self._bytes += staged_bytes
         return Staged(lease, specs, event, total)
 
 
