@@ -138,7 +138,7 @@ def _c_record_batch(
         target = schema if metadata is None else schema.with_metadata(metadata)
     else:
         fields, at, arrays, part = _columns_of(schema, kinds)
-        if not at or not all(isinstance(columns[i], pa.Array) for i in arrays):
+        if part is None:  # no node column, or a column neither node nor pyarrow array
             return _pyspeedups.record_batch(columns, schema, n, metadata)
         nodes = tuple(columns[i] for i in at)
         meta = schema.metadata if metadata is None else metadata
@@ -158,16 +158,17 @@ def _c_record_batch(
 
 
 # (id(schema), the columns' types) -> (schema, its fields, the positions of the node columns,
-# those of the others, a schema of the node columns alone); the schema is held, so its id is
-# not reused while the entry lives.
+# those of the array columns, a schema of the node columns alone or None when the C assembly
+# does not apply); the schema is held, so its id is not reused while the entry lives.
 _PARTS: dict[tuple[int, tuple[type, ...]], tuple[Any, ...]] = {}
 
 
 def _columns_of(
     schema: pa.Schema, kinds: tuple[type, ...]
-) -> tuple[tuple[Any, ...], tuple[int, ...], tuple[int, ...], pa.Schema]:
+) -> tuple[tuple[Any, ...], tuple[int, ...], tuple[int, ...], pa.Schema | None]:
     """``schema``'s fields, the positions of the node columns (``kinds``: each column's type)
-    and of the others, and a schema (without metadata) of the node columns alone."""
+    and of the others, and a schema (without metadata) of the node columns alone: None when
+    there is no node column or another column is no pyarrow array."""
     key = (id(schema), kinds)
     got = _PARTS.get(key)
     if got is None or got[0] is not schema:
@@ -176,7 +177,9 @@ def _columns_of(
         fields = tuple(schema)
         at = tuple(i for i, kind in enumerate(kinds) if kind is tuple)
         others = tuple(i for i, kind in enumerate(kinds) if kind is not tuple)
-        got = _PARTS[key] = (schema, fields, at, others, pa.schema([fields[i] for i in at]))
+        usable = at and all(issubclass(kinds[i], pa.Array) for i in others)
+        part = pa.schema([fields[i] for i in at]) if usable else None
+        got = _PARTS[key] = (schema, fields, at, others, part)
     return got[1], got[2], got[3], got[4]
 
 
