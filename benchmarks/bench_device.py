@@ -31,8 +31,9 @@ script times, on host tensors (the state after vLLM's copy event):
   (the cheapest view of a tensor's memory), and the step's finished buffers (the batch
   ``to_record_batch`` makes of vLLM's output, taken apart into a tree of nodes outside the
   timing) imported as a ``RecordBatch`` in one C Data Interface call with the step's schema
-  metadata, ``validate()``d and released. It leaves out all the work on the data (request
-  ids, sampled rows, mask supports: the C walks) and every Python step between.
+  metadata, ``validate()``d, its all-null columns (absent fields, kept from step to step)
+  added as they are (``add_column``), and released. It leaves out all the work on the data
+  (request ids, sampled rows, mask supports: the C walks) and every Python step between.
   ``best x`` = vLLM / floor is the most any implementation could reach here: a target above
   it is out of reach of work on ours, and the table below the whole-step table says so.
 
@@ -351,21 +352,20 @@ def floor_call(w: Workload) -> Any | None:
     """The whole step's floor (module docstring) as a cycling call, or None without the C
     module (its ``build_array`` is the cheapest way into pyarrow). Each step's finished batch,
     the one ``to_record_batch`` makes of vLLM's output (equal to ours: :func:`check`), is
-    taken apart here, untimed, into a ready tree of nodes over its own buffers."""
+    taken apart here, untimed, into a ready tree of nodes over its own buffers for the
+    columns that hold data, and its all-null columns (absent fields), which any assembly
+    can keep from one step to the next and add as they are."""
     try:
-        from arrow_outputs._pyspeedups import node_of
-        from arrow_outputs._speedups import build_array
-    except ImportError:
+        from pyarrow_floor import assemble, split_for_floor
+    except ImportError:  # no C module
         return None
-    import_from_c = pa.RecordBatch._import_from_c
     ready = []
     for i, st in enumerate(w.steps):
         batch = ao.to_record_batch(vllm_get_output(make_mro(st.mro_vllm.req_ids), st.host), step=i)
-        nodes = tuple(node_of(col) for col in batch.columns)
-        if None in nodes:  # not expressible as one tree: no floor for this workload
+        split = split_for_floor(batch)
+        if split is None:  # not expressible as one tree: no floor for this workload
             return None
-        tree = (batch.num_rows, 0, (None,), nodes)
-        ready.append((tree, ao.run_schema(batch), batch.schema.metadata, batch))
+        ready.append((split, batch))
 
     def floor(st: Step, i: int) -> pa.RecordBatch:
         h = vllm_async_output(st.sampler, st.counts)  # the copies any implementation makes
@@ -374,16 +374,13 @@ def floor_call(w: Workload) -> Any | None:
             t.numpy()  # reading each tensor used in place: the cheapest view of its memory
         for t in (m.token_ids, m.packed_mask, m.counts):
             t.numpy()
-        tree, schema, meta, _ = ready[i]
-        capsule, address = build_array(tree)  # the capsule lives until the import took it
-        batch = import_from_c(address, schema.with_metadata(meta))
-        del capsule
-        batch.validate()  # the checks from_buffers makes: buffer sizes against lengths
-        return batch
+        # validate(): the checks from_buffers makes (buffer sizes against lengths).
+        return assemble(*ready[i][0], validate=True)
 
     for i, st in enumerate(w.steps):  # the floor makes the very batch it times
         made = floor(st, i)
-        if not (made.equals(ready[i][3]) and made.schema.metadata == ready[i][2]):
+        want = ready[i][-1]
+        if not (made.equals(want) and made.schema.equals(want.schema, check_metadata=True)):
             raise MismatchError(f"{w.name} n={w.n} step {i}: the floor's batch differs")
     return cycling(floor, w.steps)
 
@@ -513,8 +510,9 @@ def print_floor(step_results: list[dict[str, Any]]) -> None:
     print(
         "\nWHOLE-STEP FLOOR: what no implementation of this step on pyarrow avoids (vLLM's own"
         "\nhost copies, Tensor.numpy() of the six tensors used in place, one C Data Interface"
-        "\nimport of the step's finished buffers with its step metadata, validate(), the batch"
-        "\nreleased); best x = vLLM / floor, the most any implementation could reach here;"
+        "\nimport of the step's finished buffers with its step metadata, validate(), its"
+        "\nall-null columns added as they are, the batch released); best x = vLLM / floor, the"
+        "\nmost any implementation could reach here;"
         "\nof ours = floor / batch"
     )
     header = (

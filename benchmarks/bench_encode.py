@@ -20,8 +20,9 @@ pure-Python fallback; switched at run time with ``arrow_outputs._accel.set_pure_
 * the pyarrow floor ("floor", with the C module): the part of each side that no codec on
   pyarrow can avoid for this step, timed in the same rounds. Encode: the step's finished
   buffers (nodes of the batch the encoder made, built outside the timing) imported as a
-  ``RecordBatch`` in one C Data Interface call, with the step metadata attached and the
-  batch released; decode: ``validate(full=True)`` (untrusted batches must be validated) and
+  ``RecordBatch`` in one C Data Interface call, with the step metadata attached, the
+  all-null columns of absent fields (the same every step of a size) added as they are, and
+  the batch released; decode: ``validate(full=True)`` (untrusted batches must be validated) and
   one export of the batch to read its buffers. ``pickle / floor`` is the best ratio any
   encoder or decoder that makes or reads this batch could reach on this machine: a target
   above it cannot be met by more work on the codec.
@@ -344,36 +345,32 @@ def pickle_decode(data: bytes, buffers: list[pickle.PickleBuffer]) -> Any:
     return pickle.loads(data, buffers=buffers)
 
 
-def floor_figures(
-    batches: list[pa.RecordBatch], schema: pa.Schema, fresh: FreshBatches
-) -> list[Figure]:
+def floor_figures(batches: list[pa.RecordBatch], fresh: FreshBatches) -> list[Figure]:
     """The pyarrow floor of each side (see the module docstring), or none without the C
     module (its ``build_array`` and ``array_slot`` are the cheapest ways in and out).
 
-    Encode: each batch's own buffers as a ready tree of nodes (built here, untimed) and its
-    step metadata; the timed call attaches the metadata, imports the tree in one call (as
-    the C path's encoder ends) and drops the batch. Decode: full validation and one export
+    Encode: each batch taken apart as the cheapest assembly takes it (``pyarrow_floor``,
+    untimed: a tree of nodes over the buffers of the columns that hold data, and the all-null
+    columns of absent fields); the timed call attaches the step metadata, imports the tree
+    in one call, adds the all-null columns as they are (as the C path's encoder ends) and
+    drops the batch. Decode: full validation and one export
     of a received batch, a new batch object every call (``fresh``), as our decode gets.
     """
     try:
         speedups = importlib.import_module("arrow_outputs._speedups")
-        node_of = importlib.import_module("arrow_outputs._pyspeedups").node_of
+        floor = importlib.import_module("pyarrow_floor")  # a sibling script, not a package
     except ImportError:
         return []
-    build_array, array_slot = speedups.build_array, speedups.array_slot
-    import_from_c = pa.RecordBatch._import_from_c
+    array_slot = speedups.array_slot
     ready = []
     for b in batches:
-        nodes = tuple(node_of(col) for col in b.columns)
-        if None in nodes:  # not expressible as one tree: no floor for this workload
+        split = floor.split_for_floor(b)
+        if split is None:  # not expressible as one tree: no floor for this workload
             return []
-        ready.append(((b.num_rows, 0, (None,), nodes), b.schema.metadata))
+        ready.append(split)
 
-    def encode_floor(tree: Any, meta: Any) -> pa.RecordBatch:
-        capsule, address = build_array(tree)  # the capsule lives until the import took it
-        batch = import_from_c(address, schema.with_metadata(meta))
-        del capsule
-        return batch
+    def encode_floor(tree: Any, part: pa.Schema, meta: Any, added: list[Any]) -> pa.RecordBatch:
+        return floor.assemble(tree, part, meta, added, validate=False)
 
     def decode_floor(batch: pa.RecordBatch) -> Any:
         batch.validate(full=True)
@@ -381,8 +378,8 @@ def floor_figures(
         batch._export_to_c(address)
         return capsule  # released (with the exported tree) when dropped
 
-    for (tree, meta), b in zip(ready, batches):  # the floor makes the very batch it times
-        if not encode_floor(tree, meta).equals(b):
+    for split, b in zip(ready, batches):  # the floor makes the very batch it times
+        if not encode_floor(*split).equals(b):
             raise RoundTripError("the encode floor's import differs from the encoder's batch")
     nxt_ready = itertools.cycle(ready).__next__
     return [
@@ -731,7 +728,7 @@ def run_workload(w: Workload, accel: Accel, paths: list[str], s: Settings) -> Ro
         Figure("encode", "pickle", lambda: pickle_encode(nxt_out())),
         Figure("decode", "pickle", lambda: pickle_decode(*nxt_pickle())),
     ]
-    figures += floor_figures(batches, schema, FreshBatches(received))
+    figures += floor_figures(batches, FreshBatches(received))
     with accel.restored():
         rounds = sample_rounds(figures, accel, s)
     by_key = {(f.op, f.path): f for f in figures}
