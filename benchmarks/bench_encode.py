@@ -850,9 +850,9 @@ def _floor_table(rows: list[Row]) -> list[str]:
     lines = [
         "",
         "PYARROW FLOOR: what no codec on pyarrow avoids (encode: one C Data Interface import of",
-        "the step's finished buffers + step metadata + release; decode: validate(full=True) +",
-        "one export); best x = pickle / floor, the most any codec could reach here; of C =",
-        "floor / C path time",
+        "the step's finished buffers that hold data + step metadata + its all-null columns",
+        "added + release; decode: validate(full=True) + one export); best x = pickle / floor,",
+        "the most any codec could reach here; of C = floor / C path time",
         head.rstrip(),
         "-" * len(head),
     ]
