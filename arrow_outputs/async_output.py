@@ -35,7 +35,7 @@ from .errors import (
     ShapeError,
     UnsupportedValueError,
 )
-from .mask_tensors import SamplingMaskTensors, _arange_offsets, mask_array_supports
+from .mask_tensors import SamplingMaskTensors, mask_array_supports
 from .mask_tensors import _ramp as ramp_of
 from .masks import SAMPLING_MASK_TYPE
 from .outputs import (
@@ -178,10 +178,7 @@ class AsyncArrowOutput(AsyncModelRunnerOutput):
             arrays = self._staged.arrays()
             views = {name: arrays[i] for name, i in self._slots.items()}
             for name, t in self._in_place.items():
-                try:  # host_numpy's everyday case, without its call
-                    views[name] = t.numpy()
-                except (RuntimeError, TypeError):
-                    views[name] = host_numpy(t, name)
+                views[name] = host_numpy(t, name)
             self._arrays = views
         return views
 
@@ -438,28 +435,17 @@ def _mask_column(
     masks: Any, views: dict[str, np.ndarray], counts: np.ndarray, as_nodes: bool
 ) -> tuple[Any, Any]:
     """The sampling-mask column (and its layout) from the staged mask arrays: compact rows
-    selected by their counts, wide rows read from the bitmask (``mask_array_supports``)."""
+    selected by their counts, wide rows read from the bitmask (``mask_array_supports``,
+    whose C walk runs first and whose checks raise the precise error when it declines)."""
     rpr = getattr(masks, "rows_per_request", 1)
-    tok, bits, kept = views["mask_ids"], views["mask_bits"], views["mask_counts"]
-    vocab = masks.vocab_size
-    # The C walk first (on the C path: as_nodes), over the staged numpy arrays as they are;
-    # None sends the step to mask_array_supports, whose checks raise the precise error.
-    got = _accel.mask_supports(tok, bits, kept, vocab, rpr, counts) if as_nodes else None
-    ids: Any
-    inner: Any
-    if got is not None:
-        ids, inner, cu = got  # bytearrays: int32 ids, int64 inner offsets, int32 cu or None
-        num_ids, num_pos = len(ids) // 4, len(inner) // 8 - 1
-        outer: Any = _arange_offsets(num_pos) if cu is None else cu
-        num_reqs = num_pos if cu is None else len(cu) // 4 - 1
-    else:
-        ids, inner, outer = mask_array_supports(tok, bits, kept, vocab, rpr, counts)
-        num_ids, num_pos, num_reqs = len(ids), len(inner) - 1, len(outer) - 1
+    ids, inner, outer = mask_array_supports(
+        views["mask_ids"], views["mask_bits"], views["mask_counts"], masks.vocab_size, rpr, counts
+    )
     node = (
-        num_reqs,
+        len(outer) - 1,
         0,
         (None, outer),
-        ((num_pos, 0, (None, inner), ((num_ids, 0, (None, ids), ()),)),),
+        ((len(inner) - 1, 0, (None, inner), ((len(ids), 0, (None, ids), ()),)),),
     )
     return _column(node, SAMPLING_MASK_TYPE, as_nodes), shared_layout(offsets=True, cu=rpr > 1)
 

@@ -303,14 +303,12 @@ class StagingPool:
         sizes: list[int] = []
         total = staged_bytes = 0
         on_cuda = False
-        names = _DTYPE_NAMES
         for i, t in enumerate(items):
             if not isinstance(t, tensor_type):
                 raise FieldTypeError(f"tensors[{i}]", "a torch tensor", describe(t))
             nbytes = t.nbytes
             sizes.append(nbytes)
-            dtype = t.dtype
-            specs.append((total, names.get(dtype) or _dtype_name(dtype), tuple(t.shape)))
+            specs.append((total, _dtype_name(t.dtype), tuple(t.shape)))
             staged_bytes += nbytes
             total += -(-nbytes // _ALIGN) * _ALIGN
             on_cuda = on_cuda or t.is_cuda
@@ -428,10 +426,8 @@ class Staged:
         whole = memoryview(
             pa.foreign_buffer(self._lease._slab.address, self._nbytes, base=self._lease)
         )
-        dtypes = _VIEW_DTYPES
         return [
-            np.ndarray(shape, dtypes.get(dtype) or _view_dtype(dtype), whole, off)
-            for off, dtype, shape in self._specs
+            np.ndarray(shape, _view_dtype(dtype), whole, off) for off, dtype, shape in self._specs
         ]
 
     def tensor(self, i: int) -> Any:
