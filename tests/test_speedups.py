@@ -933,7 +933,8 @@ def test_c_int_rows_are_left_to_reference_counting():
     """The C walks' rows of ints leave the cycle collector (they can be in no cycle): a
     process that decodes 1024-request steps with the collector on is spared the collections
     they would set off. Their values are the specification's; the outer list,
-    which a caller may fill with anything, stays tracked."""
+    which a caller may fill with anything, stays tracked. The whole-batch walk's request
+    ids (exact strs) leave it too, whether decoded afresh or reused from the last step."""
     values = np.arange(6, dtype=np.int64)
     rows = _speedups.split_int_lists(values, offsets_bytes(0, 2, 2, 6), 8, 3)
     assert rows == _pyspeedups.split_int_lists(values, offsets_bytes(0, 2, 2, 6), 8, 3)
@@ -945,6 +946,21 @@ def test_c_int_rows_are_left_to_reference_counting():
         back = from_record_batch(to_record_batch(out, step=0))
     assert back.sampled_token_ids == [[7, 8], [9]]
     assert not any(map(gc.is_tracked, back.sampled_token_ids))
+    assert gc.is_tracked(back.sampled_token_ids)
+    assert back.req_ids == ["a", "b"]
+    assert not gc.is_tracked(back.req_ids)
+    # A step of 32 requests or more is kept for the next decode; the next one reuses its
+    # strs (the very same objects), and its list of them is untracked too.
+    many = [f"req-{i}" for i in range(40)]
+    big = ModelRunnerOutput(many, {r: i for i, r in enumerate(many)}, sampled_token_ids=[])
+    with codec_on("c"):
+        first = from_record_batch(to_record_batch(big, step=1))
+        again = from_record_batch(to_record_batch(big, step=2))
+    assert first.req_ids == again.req_ids == many
+    assert all(a is b for a, b in zip(first.req_ids, again.req_ids))
+    assert not gc.is_tracked(first.req_ids)
+    assert not gc.is_tracked(again.req_ids)
+    assert first.req_ids is not again.req_ids
     # A row holds ints only until a caller changes it; each row is a list of its own.
     back.sampled_token_ids[0].append(10)
     assert back.sampled_token_ids == [[7, 8, 10], [9]]
