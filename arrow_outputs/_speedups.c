@@ -2457,6 +2457,50 @@ same_row_id(PyObject *s, const char *bytes, int32_t len)
     return NULL;
 }
 
+/* The ints 0..n-1 that req_id_to_index maps to, made once and shared by every step decoded
+ * after (ints are immutable): a 1024-request decode otherwise makes and frees 1024 of them.
+ * Steps of more than POSITIONS_MAX rows make their own. The module is for one interpreter
+ * (speedups_slots), so one table serves it. */
+#define POSITIONS_MAX (1 << 16)
+static PyObject *positions; /* a tuple of ints 0, 1, ..., or NULL */
+
+/* A borrowed tuple of at least n ints from 0; NULL without an exception when n is past
+ * POSITIONS_MAX, NULL with one on error. */
+static PyObject *
+positions_for(int64_t n)
+{
+    PyObject *table;
+    Py_ssize_t size;
+    if (positions != NULL && PyTuple_GET_SIZE(positions) >= (Py_ssize_t)n) {
+        return positions;
+    }
+    if (n > POSITIONS_MAX) {
+        return NULL;
+    }
+    size = positions == NULL ? 256 : 2 * PyTuple_GET_SIZE(positions);
+    while (size < (Py_ssize_t)n) {
+        size *= 2;
+    }
+    if (size > POSITIONS_MAX) {
+        size = POSITIONS_MAX;
+    }
+    table = PyTuple_New(size);
+    if (table == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < size; i++) {
+        PyObject *v = PyLong_FromSsize_t(i);
+        if (v == NULL) {
+            Py_DECREF(table);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(table, i, v);
+    }
+    PyObject_GC_UnTrack(table); /* ints only */
+    Py_XSETREF(positions, table);
+    return table;
+}
+
 /* Returns 1 with *out set, 0 for "not this path" (no exception), -1 on error. *known_out is
  * the entry to pass with the next step (see known_matches). */
 static int
@@ -2464,7 +2508,7 @@ dec_strs(const struct ArrowArray *col, int64_t n, PyObject *known, PyObject **id
          PyObject **index_out, PyObject **known_out)
 {
     const char *offs, *data;
-    PyObject *ids = NULL, *index = NULL, *kids;
+    PyObject *ids = NULL, *index = NULL, *kids, *table;
     Py_ssize_t kn;
     int32_t last;
 
@@ -2501,6 +2545,10 @@ dec_strs(const struct ArrowArray *col, int64_t n, PyObject *known, PyObject **id
     }
     kids = known_row_ids(known);
     kn = kids == NULL ? 0 : PyTuple_GET_SIZE(kids);
+    table = positions_for(n);
+    if (table == NULL && PyErr_Occurred()) {
+        return -1;
+    }
     ids = PyList_New((Py_ssize_t)n);
     index = new_dict(n);
     if (ids == NULL || index == NULL) {
@@ -2525,7 +2573,8 @@ dec_strs(const struct ArrowArray *col, int64_t n, PyObject *known, PyObject **id
             goto error;
         }
         PyList_SET_ITEM(ids, (Py_ssize_t)i, s);
-        pos = PyLong_FromLongLong((long long)i);
+        pos = table != NULL ? Py_NewRef(PyTuple_GET_ITEM(table, (Py_ssize_t)i))
+                            : PyLong_FromLongLong((long long)i);
         if (pos == NULL) {
             goto error;
         }

@@ -929,6 +929,21 @@ def test_split_int_lists_int32_values(impl):
 
 
 @pytest.mark.skipif(_speedups is None, reason="arrow_outputs._speedups not built")
+def test_c_decode_index_positions_across_table_growth():
+    """The whole-batch walk maps request ids to positions from a table of ints it grows on
+    demand (shared between steps): every size, before and after a growth, and a step past
+    the table's largest size, gets exactly its own positions."""
+    for n in (3, 300, 1030, 40, 70_000):
+        ids = [f"r{i}" for i in range(n)]
+        out = ModelRunnerOutput(ids, {r: i for i, r in enumerate(ids)}, sampled_token_ids=[])
+        with codec_on("c"):
+            back = from_record_batch(to_record_batch(out, step=0))
+        assert back.req_ids == ids
+        assert back.req_id_to_index == out.req_id_to_index
+        assert list(back.req_id_to_index.values()) == list(range(n))
+
+
+@pytest.mark.skipif(_speedups is None, reason="arrow_outputs._speedups not built")
 def test_c_int_rows_are_left_to_reference_counting():
     """The C walks' rows of ints leave the cycle collector (they can be in no cycle): a
     process that decodes 1024-request steps with the collector on is spared the collections
