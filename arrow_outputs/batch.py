@@ -1645,6 +1645,27 @@ def from_record_batch(
         records; without their class here they decode to read-only
         :class:`~arrow_outputs.Record` objects. Nothing is imported by a name in the data.
     """
+    return decode_checked(batch, custom_metadata, validate, missing_step_metadata, classes)
+
+
+def _validate_full(batch: pa.RecordBatch) -> None:
+    try:
+        batch.validate(full=True)
+    except pa.ArrowInvalid as e:
+        raise SchemaMismatchError("batch", "a valid Arrow record batch", str(e)) from e
+
+
+def decode_checked(
+    batch: pa.RecordBatch,
+    custom_metadata: Any,
+    validate: bool,
+    missing_step_metadata: str,
+    classes: Iterable[type] | None,
+    validated: bool = False,
+) -> Any:
+    """:func:`from_record_batch`, for readers that already ran ``batch.validate(full=True)``
+    on this very batch object (``validated``): the decode then trusts its buffers as full
+    validation would, without running it again."""
     if not isinstance(batch, pa.RecordBatch):
         raise FieldTypeError("batch", "a pyarrow.RecordBatch", describe(batch))
     known = _stepmeta.made_with(batch)
@@ -1663,17 +1684,15 @@ def from_record_batch(
     allowed = allow_list(classes)
     if validate not in (True, False):
         raise FieldTypeError("validate", "True or False", describe(validate))
-    if validate:
-        try:
-            batch.validate(full=True)
-        except pa.ArrowInvalid as e:
-            raise SchemaMismatchError("batch", "a valid Arrow record batch", str(e)) from e
-    fast = _decode_fast(batch, meta, types, validate) if _accel.decode_batch else None
+    if validate and not validated:
+        _validate_full(batch)
+    validated = validated or validate
+    fast = _decode_fast(batch, meta, types, validated) if _accel.decode_batch else None
     if fast is not None:
         req_ids, req_id_to_index, fields = fast
     else:
         req_ids, req_id_to_index, fields = _decode_columns(
-            batch, meta, types, head_slice_ok, validate
+            batch, meta, types, head_slice_ok, validated
         )
     for key, cls in _STEP_CLASSES.items():
         value = meta[key]

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 import pyarrow as pa
 
-from .batch import from_record_batch, step_metadata
+from .batch import decode_checked, from_record_batch, step_metadata
 from .errors import ArrowOutputsError, ConsistencyError, CorruptFileError, FieldTypeError
 from .schema import check_format, column_types
 from .writer import KEY_END, KEY_PROGRESS, OutputWriter
@@ -171,9 +171,12 @@ class RunReader:
             yield step.batch
 
     def outputs(self, *, classes: Iterable[type] | None = None) -> Iterator[Any]:
-        """The steps as ``ModelRunnerOutput`` objects, in order."""
+        """The steps as ``ModelRunnerOutput`` objects, in order. A batch this reader
+        validated in full is not validated again by its decode."""
         for step in self:
-            yield step.output(classes=classes)
+            yield decode_checked(
+                step.batch, step.custom_metadata, True, "error", classes, validated=self.validate
+            )
 
     def read_all(self) -> pa.Table:
         """Every step in one table (no copy: its chunks are the file's batches)."""

@@ -52,7 +52,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,7 +61,7 @@ import numpy as np
 import pyarrow as pa
 
 from . import _accel, _pyspeedups
-from .batch import from_record_batch, run_schema, step_custom_metadata, step_metadata
+from .batch import decode_checked, run_schema, step_custom_metadata, step_metadata
 from .errors import ArrowOutputsError, FieldTypeError, SchemaMismatchError
 from .schema import check_format
 
@@ -756,13 +756,28 @@ class SharedStep:
         self.custom_metadata = custom_metadata
         self.validated = validated
 
-    def output(self, **kwargs: Any) -> Any:
-        """The step as a ``ModelRunnerOutput`` (:func:`~arrow_outputs.from_record_batch`;
-        arrays are read-only views of the shared buffers). Keyword arguments go to
-        ``from_record_batch``; the full validation is not repeated for a batch the subscriber
-        validated (``validate=True`` re-runs it)."""
-        kwargs.setdefault("validate", not self.validated)
-        return from_record_batch(self.batch, custom_metadata=self.custom_metadata, **kwargs)
+    def output(
+        self,
+        *,
+        validate: bool | None = None,
+        missing_step_metadata: str = "error",
+        classes: Iterable[type] | None = None,
+    ) -> Any:
+        """The step as a ``ModelRunnerOutput`` (:func:`~arrow_outputs.from_record_batch`,
+        whose keyword arguments these are; arrays are read-only views of the shared buffers).
+        The full validation is not repeated for a batch the subscriber validated, nor are the
+        checks it covers (``validate=True`` re-runs it)."""
+        again = validate is True
+        if validate is None:
+            validate = not self.validated
+        return decode_checked(
+            self.batch,
+            self.custom_metadata,
+            validate,
+            missing_step_metadata,
+            classes,
+            validated=self.validated and not again,
+        )
 
     def step_metadata(self) -> dict[str, Any]:
         """The step JSON, checked (:func:`~arrow_outputs.step_metadata`)."""

@@ -199,6 +199,54 @@ def test_subscriber_sees_every_step_in_order_then_end(run_dir: Path) -> None:
     assert not run_dir.exists()  # close() removed the run's files
 
 
+def _validation_spy(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[Any]]:
+    """Counts the decode's full validations and records what its fast walk was told."""
+    import arrow_outputs.batch as codec
+
+    seen: dict[str, list[Any]] = {"full": [], "walk": []}
+    full, walk = codec._validate_full, codec._decode_fast
+
+    def counted_full(batch: pa.RecordBatch) -> None:
+        seen["full"].append(batch)
+        full(batch)
+
+    def recorded_walk(batch: pa.RecordBatch, meta: Any, types: Any, validated: bool) -> Any:
+        seen["walk"].append(validated)
+        return walk(batch, meta, types, validated)
+
+    monkeypatch.setattr(codec, "_validate_full", counted_full)
+    monkeypatch.setattr(codec, "_decode_fast", recorded_walk)
+    return seen
+
+
+@pytest.mark.parametrize("validate", [True, False])
+def test_step_output_does_not_validate_twice(
+    run_dir: Path, monkeypatch: pytest.MonkeyPatch, validate: bool
+) -> None:
+    """A step the subscriber validated in full decodes without a second full validation,
+    and its walk is told so (no constant-time validate() either); ``validate=True`` runs it
+    again. A step of a subscriber that trusts the producer is validated by its decode, as
+    ``from_record_batch`` does by default."""
+    seen = _validation_spy(monkeypatch)
+    with StepPublisher(run_dir, slots=2) as pub, StepSubscriber(run_dir, validate=validate) as sub:
+        pub.publish(_batch(1))
+        step = sub.next(timeout=5)
+        assert step is not None
+        assert step.validated is validate
+        assert_outputs_equal(step.output(), _step(1))
+        assert seen["full"] == ([] if validate else [step.batch])
+        if seen["walk"]:  # the C path's fast walk (the pure-Python path has none)
+            assert seen["walk"] == [True]  # validated in full, by one side or the other
+        assert_outputs_equal(step.output(validate=True), _step(1))
+        assert len(seen["full"]) == (1 if validate else 2)
+        assert_outputs_equal(step.output(validate=False), _step(1))
+        if seen["walk"]:  # trusted: the walk runs its constant-time checks unless validated
+            assert seen["walk"][-1] is validate
+        assert len(seen["full"]) == (1 if validate else 2)
+        with pytest.raises(FieldTypeError, match="validate"):
+            step.output(validate="yes")  # type: ignore[arg-type]
+
+
 def test_subscriber_drains_steps_published_before_close(run_dir: Path) -> None:
     pub = StepPublisher(run_dir, slots=4)
     sub = StepSubscriber(run_dir)

@@ -55,6 +55,26 @@ def test_round_trip_every_format(tmp_path, fmt, compression):
     assert_steps(ao.iter_outputs(path))
 
 
+@pytest.mark.parametrize("validate", [True, False])
+def test_outputs_validate_each_batch_once(tmp_path, monkeypatch, validate):
+    """``outputs()`` of a reader that validated its batches in full does not validate them
+    again in their decode; a reader of a trusted file leaves it to the decode, as before."""
+    import arrow_outputs.batch as codec
+
+    path = tmp_path / "run.arrows"
+    write_run(path)
+    full, decoded = codec._validate_full, []
+
+    def counted(batch):
+        decoded.append(batch)
+        full(batch)
+
+    monkeypatch.setattr(codec, "_validate_full", counted)
+    run = ao.open_run(path, validate=validate)
+    assert_steps(run.outputs())
+    assert len(decoded) == (0 if validate else len(STEPS))
+
+
 def test_every_batch_carries_running_counts(tmp_path):
     path = tmp_path / "run.arrows"
     write_run(path)
