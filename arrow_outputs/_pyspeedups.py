@@ -708,7 +708,11 @@ _NODE_LAYOUTS = (
 
 def node_of(arr: pa.Array) -> Node | None:
     """The node of an existing array (its own buffers, no copy), or None when a node cannot
-    say it: a slice, a device buffer, or a type outside :data:`_NODE_LAYOUTS`."""
+    say it: a slice, a device buffer, or a type outside :data:`_NODE_LAYOUTS`.
+
+    The codec builds its nodes directly and hands finished arrays to the assembly as they
+    are; this is for the benchmarks' floors (``benchmarks/pyarrow_floor.py``) and the tests
+    that prove a node describes its array exactly."""
     if isinstance(arr, pa.ExtensionArray):
         arr = arr.storage
     t = arr.type

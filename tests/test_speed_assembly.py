@@ -340,8 +340,8 @@ def test_record_batch_falls_back_for_what_a_node_cannot_say() -> None:
     batch = _on("python", lambda: ao.to_record_batch(out, step=1))
     schema, n = batch.schema, batch.num_rows
     cols: list[Any] = list(batch.columns)
-    # A slice (offset 1): node_of refuses it; the assembly goes to the specification, whose
-    # answer is the same batch.
+    # A slice (offset 1), which no node can say: the C assembly adds it as the array it is
+    # (add_column), and the answer is the same batch.
     bigger = pa.concat_arrays([cols[1], cols[1]]).slice(n, n)
     assert _pyspeedups.node_of(bigger) is None
     cols[1] = bigger
