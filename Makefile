@@ -13,12 +13,15 @@ export ARROW_OUTPUTS_REQUIRE_SPEEDUPS ?= 1
 
 .PHONY: install demo test lint typecheck unit docs notebooks notebooks-write bench bench-all clean
 
-# setup.py and the C source too: `pip install -e .` is what recompiles arrow_outputs._speedups.
-$(STAMP): pyproject.toml setup.py arrow_outputs/_speedups.c
+# setup.py and the compiled sources too: `pip install -e .` is what recompiles them.
+# arrow_outputs._arrowview compiles against pyarrow's C++ library and loads only into that
+# very version: pyarrow goes in first and the build uses it (no build isolation).
+$(STAMP): pyproject.toml setup.py arrow_outputs/_speedups.c arrow_outputs/_arrowview.cc
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)" $(TORCH_PIP_ARGS)
-	$(PY) -m pip install -q -e ".[test,docs,notebooks]"
+	$(PY) -m pip install -q "setuptools>=77" "pyarrow>=19"
+	$(PY) -m pip install -q --no-build-isolation -e ".[test,docs,notebooks]"
 	touch $(STAMP)
 
 install: $(STAMP)

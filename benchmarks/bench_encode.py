@@ -23,7 +23,8 @@ pure-Python fallback; switched at run time with ``arrow_outputs._accel.set_pure_
   ``RecordBatch`` in one C Data Interface call, with the step metadata attached, the
   all-null columns of absent fields (the same every step of a size) added as they are, and
   the batch released; decode: ``validate(full=True)`` (untrusted batches must be validated) and
-  one export of the batch to read its buffers. ``pickle / floor`` is the best ratio any
+  the batch's buffers handed over once as the C walk reads them (``_arrowview``'s view where
+  it is built, else pyarrow's export). ``pickle / floor`` is the best ratio any
   encoder or decoder that makes or reads this batch could reach on this machine: a target
   above it cannot be met by more work on the codec.
 
@@ -353,8 +354,9 @@ def floor_figures(batches: list[pa.RecordBatch], fresh: FreshBatches) -> list[Fi
     untimed: a tree of nodes over the buffers of the columns that hold data, and the all-null
     columns of absent fields); the timed call attaches the step metadata, imports the tree
     in one call, adds the all-null columns as they are (as the C path's encoder ends) and
-    drops the batch. Decode: full validation and one export
-    of a received batch, a new batch object every call (``fresh``), as our decode gets.
+    drops the batch. Decode: full validation and the hand-over of a received batch's
+    buffers (the view, or pyarrow's export where the view is not loaded), a new batch object
+    every call (``fresh``), as our decode gets.
     """
     try:
         speedups = importlib.import_module("arrow_outputs._speedups")
@@ -362,6 +364,10 @@ def floor_figures(batches: list[pa.RecordBatch], fresh: FreshBatches) -> list[Fi
     except ImportError:
         return []
     array_slot = speedups.array_slot
+    try:
+        export_into = importlib.import_module("arrow_outputs._arrowview").export_into
+    except ImportError:
+        export_into = None
     ready = []
     for b in batches:
         split = floor.split_for_floor(b)
@@ -375,7 +381,8 @@ def floor_figures(batches: list[pa.RecordBatch], fresh: FreshBatches) -> list[Fi
     def decode_floor(batch: pa.RecordBatch) -> Any:
         batch.validate(full=True)
         capsule, address = array_slot()
-        batch._export_to_c(address)
+        if export_into is None or not export_into(batch, address):
+            batch._export_to_c(address)
         return capsule  # released (with the exported tree) when dropped
 
     for split, b in zip(ready, batches):  # the floor makes the very batch it times
@@ -851,7 +858,8 @@ def _floor_table(rows: list[Row]) -> list[str]:
         "",
         "PYARROW FLOOR: what no codec on pyarrow avoids (encode: one C Data Interface import of",
         "the step's finished buffers that hold data + step metadata + its all-null columns",
-        "added + release; decode: validate(full=True) + one export); best x = pickle / floor,",
+        "added + release; decode: validate(full=True) + the buffers handed over as the C walk",
+        "reads them); best x = pickle / floor,",
         "the most any codec could reach here; of C = floor / C path time",
         head.rstrip(),
         "-" * len(head),

@@ -27,8 +27,14 @@ from arrow_outputs import batch as batch_module
 pytestmark = pytest.mark.skipif(not _accel.AVAILABLE, reason="the C accelerator is not built")
 
 
-@pytest.fixture(autouse=True)
-def _c_path() -> Iterator[None]:
+@pytest.fixture(autouse=True, params=["view", "export"])
+def _c_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Every test on both ways the walk gets the batch's buffers: ``_arrowview``'s view of
+    them, and pyarrow's export (where the view is not built or not loadable)."""
+    if request.param == "view" and _accel._view is None:
+        pytest.skip(f"arrow_outputs._arrowview not loaded: {_accel.VIEW_UNAVAILABLE}")
+    if request.param == "export":
+        monkeypatch.setattr(_accel, "_view", None)
     was = _accel.accelerated()
     _accel.set_pure_python(False)
     yield

@@ -100,6 +100,11 @@ def test_speedups_built_when_required():
     import arrow_outputs._speedups  # noqa: F401  (an ImportError here is the failure)
 
     assert _accel.AVAILABLE
+    # The C++ reader of a batch's buffers for the decode walk, against this very pyarrow.
+    import arrow_outputs._arrowview as view
+
+    assert _accel.VIEW_UNAVAILABLE == ""
+    assert pa.cpp_build_info.version == view.ARROW_VERSION
 
 
 def test_speedups_same_functions_as_specification():

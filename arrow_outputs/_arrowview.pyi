@@ -1,0 +1,8 @@
+"""Types of the C++ module ``arrow_outputs._arrowview`` (``_arrowview.cc``)."""
+
+import pyarrow as pa
+
+#: The Arrow version it was built against (it loads into no other).
+ARROW_VERSION: str
+
+def export_into(batch: pa.RecordBatch, address: int, /) -> bool: ...

@@ -1,0 +1,304 @@
+"""``arrow_outputs._arrowview``: a batch's buffers as the ArrowArray tree pyarrow's export
+would give, filled from the batch's own ArrayData (no per-node allocation), for the C decode
+walk.
+
+The reference is pyarrow itself: a filled tree imported back with
+``RecordBatch._import_from_c`` must equal the batch and share every buffer with it. Layouts
+the view does not mirror are declined with the slot untouched (the walk then uses pyarrow's
+export); the tree holds the batch alive until it is released, from any thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import sys
+import threading
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from conftest import speedups_c
+
+import arrow_outputs as ao
+from arrow_outputs import LogprobsLists, ModelRunnerOutput, SamplingMaskLists, _accel
+
+pytestmark = pytest.mark.skipif(
+    _accel._view is None or speedups_c is None,
+    reason=f"arrow_outputs._arrowview not loaded: {_accel.VIEW_UNAVAILABLE}",
+)
+
+# struct ArrowArray: five int64 (length, null_count, offset, n_buffers, n_children), then the
+# buffers, children and dictionary pointers, then release and private_data.
+RELEASE_AT = 5 * 8 + 3 * 8
+
+
+def _slot() -> tuple[Any, int]:
+    return speedups_c.array_slot()
+
+
+def _released(address: int) -> bool:
+    return ctypes.c_void_p.from_address(address + RELEASE_AT).value is None
+
+
+def _addresses(batch: pa.RecordBatch) -> list[int | None]:
+    """Every buffer address in the batch's tree, depth first."""
+    found: list[int | None] = []
+
+    def walk(arr: pa.Array) -> None:
+        found.extend(None if b is None else b.address for b in arr.buffers())
+
+    for col in batch.columns:
+        walk(col)
+    return found
+
+
+def _struct_batch(n: int) -> pa.RecordBatch:
+    rng = np.random.default_rng(n)
+    ints = pa.array(rng.integers(-5, 5, n), pa.int64())
+    with_nulls = pa.array([None if i % 3 == 0 else i for i in range(n)], pa.int32())
+    strs = pa.array([f"r{i}-é" if i % 4 else None for i in range(n)], pa.string())
+    lists = pa.array([list(range(i % 5)) for i in range(n)], pa.list_(pa.int32()))
+    nested = pa.array(
+        [[[i], [i, i + 1]] if i % 2 else None for i in range(n)], pa.list_(pa.list_(pa.int16()))
+    )
+    fixed = pa.FixedSizeListArray.from_arrays(pa.array(np.arange(3 * n, dtype=np.float32)), 3)
+    struct = pa.StructArray.from_arrays([ints, strs], ["a", "b"])
+    tensor_type = pa.fixed_shape_tensor(pa.float32(), (3,))
+    tensor = pa.ExtensionArray.from_storage(tensor_type, fixed)
+    return pa.RecordBatch.from_arrays(
+        [
+            ints,
+            with_nulls,
+            strs,
+            pa.array([f"x{i}" for i in range(n)], pa.large_string()),
+            pa.array([bytes([i % 256]) * (i % 3) for i in range(n)], pa.binary()),
+            pa.array([i % 2 == 0 for i in range(n)], pa.bool_()),
+            pa.nulls(n),
+            pa.nulls(n, pa.list_(pa.int64())),
+            lists,
+            pa.array([list(range(i % 3)) for i in range(n)], pa.large_list(pa.float64())),
+            nested,
+            fixed,
+            struct,
+            tensor,
+        ],
+        [f"c{i}" for i in range(14)],
+    )
+
+
+def _step_batches() -> Iterator[tuple[str, pa.RecordBatch, Any]]:
+    rng = np.random.default_rng(3)
+    req = [f"r{i}" for i in range(6)]
+    index = {r: i for i, r in enumerate(req)}
+    lp = LogprobsLists(
+        rng.integers(0, 1000, (6, 4)), -rng.random((6, 4)).astype(np.float32), np.ones(6, np.int64)
+    )
+    masks = SamplingMaskLists(np.arange(9, dtype=np.int32), np.array([0, 2, 2, 5, 5, 9, 9]))
+    yield "decode", ao.to_record_batch(ModelRunnerOutput(req, index, [[1]] * 6, lp), step=1), None
+    yield (
+        "mask",
+        ao.to_record_batch(ModelRunnerOutput(req, index, [[2]] * 6, sampling_masks=masks)),
+        None,
+    )
+    sink = pa.BufferOutputStream()
+    batch = ao.to_record_batch(ModelRunnerOutput(req, index, [[3, 4]] * 6, lp), step=2)
+    with pa.ipc.new_stream(sink, ao.run_schema(batch)) as writer:
+        writer.write_batch(batch, custom_metadata=ao.step_custom_metadata(batch))
+    read, custom = pa.ipc.open_stream(sink.getvalue()).read_next_batch_with_custom_metadata()
+    yield "from-ipc", read, custom
+
+
+def _batches() -> Iterator[tuple[str, pa.RecordBatch]]:
+    yield "one-row", _struct_batch(1)
+    yield "many-rows", _struct_batch(37)
+    yield "empty", _struct_batch(0)
+    big = _struct_batch(50)
+    # Slices: every column at an offset, with null counts pyarrow has not computed yet.
+    yield "slice", big.slice(7, 20)
+    yield "slice-of-slice", big.slice(3, 40).slice(5, 11)
+    yield "no-columns", pa.RecordBatch.from_pydict({})
+    for name, batch, _ in _step_batches():
+        yield name, batch
+
+
+# Built in the tests, not at collection: encoding caches its inferred schemas, whose producer
+# metadata names torch once it is imported (other modules import it when collected).
+BATCH_NAMES = ["one-row", "many-rows", "empty", "slice", "slice-of-slice", "no-columns"]
+BATCH_NAMES += ["decode", "mask", "from-ipc"]
+
+
+@pytest.mark.parametrize("name", BATCH_NAMES)
+def test_tree_imports_back_as_the_batch_sharing_every_buffer(name: str) -> None:
+    batch = dict(_batches())[name]
+    capsule, address = _slot()
+    assert _accel._view.export_into(batch, address) is True
+    back = pa.RecordBatch._import_from_c(address, batch.schema)
+    assert _released(address)  # moved into the imported batch
+    back.validate(full=True)
+    assert back.equals(batch), name
+    # Zero-copy: the very buffers, as pyarrow's own export and import give them (the
+    # importer gives a buffer it was handed as NULL, an empty one, an address of its own).
+    exported, at = _slot()
+    batch._export_to_c(at)
+    assert _addresses(back) == _addresses(pa.RecordBatch._import_from_c(at, batch.schema))
+    for got, was in zip(_addresses(back), _addresses(batch)):
+        assert got == was or not was, name
+    # The export's null counts: -1 where pyarrow has not counted them is the interface's
+    # "unknown"; the importer counts them the same.
+    for a, b in zip(back.columns, batch.columns):
+        assert a.null_count == b.null_count
+    del capsule, exported
+
+
+def test_tree_holds_the_batch_until_released() -> None:
+    data = np.arange(4096, dtype=np.float64)
+    batch = pa.RecordBatch.from_arrays([pa.array(data)], ["x"])
+    before = sys.getrefcount(batch)
+    capsule, address = _slot()
+    assert _accel._view.export_into(batch, address)
+    assert sys.getrefcount(batch) == before + 1
+    del capsule  # never imported: the capsule releases the tree
+    assert sys.getrefcount(batch) == before
+
+    capsule, address = _slot()
+    assert _accel._view.export_into(batch, address)
+    back = pa.RecordBatch._import_from_c(address, batch.schema)
+    del capsule, batch
+    gc.collect()
+    # The import holds the tree, the tree the batch: its memory is still the array's.
+    assert np.array_equal(back.column(0).to_numpy(), data)
+
+
+def test_tree_released_on_another_thread() -> None:
+    # The interface lets a consumer release from any thread: release takes the GIL.
+    batch = _struct_batch(9)
+    before = sys.getrefcount(batch)
+    holder: list[Any] = []
+    capsule, address = _slot()
+    assert _accel._view.export_into(batch, address)
+    holder.append(pa.RecordBatch._import_from_c(address, batch.schema))
+    del capsule
+    assert sys.getrefcount(batch) == before + 1
+    thread = threading.Thread(target=holder.clear)
+    thread.start()
+    thread.join()
+    assert sys.getrefcount(batch) == before
+
+
+def test_decoded_arrays_keep_the_producers_memory_and_only_as_long_as_they_live() -> None:
+    # to_record_batch wraps the numpy arrays (zero-copy), the view holds that batch, the
+    # decoded arrays hold the view: the producer's array lives exactly as long as they do.
+    ids = np.arange(400, dtype=np.int64).reshape(-1, 4)
+    alive = weakref.ref(ids)
+    lp = LogprobsLists(ids, np.zeros((100, 4), np.float32), np.ones(100, np.int64))
+    req = [f"r{i}" for i in range(100)]
+    out = ModelRunnerOutput(req, {r: i for i, r in enumerate(req)}, [[1]] * 100, lp)
+    batch = ao.to_record_batch(out, step=0)
+    del out, lp
+    back = ao.from_record_batch(batch)
+    assert back.logprobs.logprob_token_ids.ctypes.data == ids.ctypes.data
+    del ids, batch
+    gc.collect()
+    assert alive() is not None
+    assert np.array_equal(back.logprobs.logprob_token_ids, np.arange(400).reshape(-1, 4))
+    del back
+    gc.collect()
+    assert alive() is None
+
+
+def _unmirrored() -> Iterator[tuple[str, pa.RecordBatch]]:
+    n = 4
+    ints = pa.array(range(n), pa.int32())
+    yield (
+        "dictionary",
+        pa.RecordBatch.from_arrays([pa.array(["a", "b", "a", "c"]).dictionary_encode()], ["d"]),
+    )
+    yield (
+        "string-view",
+        pa.RecordBatch.from_arrays([pa.array(["a", "bb", "c", "d"], pa.string_view())], ["s"]),
+    )
+    yield (
+        "list-view",
+        pa.RecordBatch.from_arrays(
+            [pa.ListViewArray.from_arrays([0, 1, 1, 2], [1, 0, 1, 1], ints)], ["l"]
+        ),
+    )
+    yield (
+        "union",
+        pa.RecordBatch.from_arrays(
+            [pa.UnionArray.from_sparse(pa.array([0, 1, 0, 1], pa.int8()), [ints, ints])], ["u"]
+        ),
+    )
+    yield (
+        "run-end",
+        pa.RecordBatch.from_arrays([pa.RunEndEncodedArray.from_arrays([2, 4], [1, 2])], ["r"]),
+    )
+    # Nested deeper than the IPC reader allows.
+    deep = ints
+    for _ in range(70):
+        deep = pa.ListArray.from_arrays(pa.array(range(n + 1), pa.int32()), deep)
+    yield "too-deep", pa.RecordBatch.from_arrays([deep], ["deep"])
+    # Declined inside a struct too, after columns that were fine.
+    nested = pa.StructArray.from_arrays([ints, pa.array(["a"] * n).dictionary_encode()], ["i", "d"])
+    yield "nested-dictionary", pa.RecordBatch.from_arrays([ints, nested], ["i", "s"])
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["dictionary", "string-view", "list-view", "union", "run-end", "too-deep", "nested-dictionary"],
+)
+def test_declines_what_it_does_not_mirror_and_leaves_the_slot(name: str) -> None:
+    batch = dict(_unmirrored())[name]
+    before = sys.getrefcount(batch)
+    capsule, address = _slot()
+    assert _accel._view.export_into(batch, address) is False, name
+    assert _released(address)
+    assert sys.getrefcount(batch) == before
+    # pyarrow's export then fills the same slot (the capsule releases it).
+    batch._export_to_c(address)
+    assert not _released(address)
+    del capsule
+
+
+def test_refuses_a_used_slot_a_null_address_and_what_is_not_a_batch() -> None:
+    batch = _struct_batch(2)
+    capsule, address = _slot()
+    assert _accel._view.export_into(batch, address)
+    with pytest.raises(ValueError, match="unreleased"):
+        _accel._view.export_into(batch, address)
+    with pytest.raises(ValueError, match="address is 0"):
+        _accel._view.export_into(batch, 0)
+    with pytest.raises(TypeError, match=r"pyarrow\.RecordBatch"):
+        _accel._view.export_into(pa.table({"a": [1]}), address)
+    with pytest.raises(TypeError, match="2 arguments"):
+        _accel._view.export_into(batch)
+    del capsule
+
+
+def test_decode_reads_through_the_view(monkeypatch: pytest.MonkeyPatch) -> None:
+    filled: list[bool] = []
+    real = _accel._view
+
+    class Spy:
+        @staticmethod
+        def export_into(batch: Any, address: int) -> bool:
+            filled.append(real.export_into(batch, address))
+            return filled[-1]
+
+    monkeypatch.setattr(_accel, "_view", Spy)
+    was = _accel.accelerated()
+    _accel.set_pure_python(False)
+    try:
+        for name, batch, custom in _step_batches():
+            out = ao.from_record_batch(batch, custom_metadata=custom)
+            with monkeypatch.context() as m:
+                m.setattr(_accel, "_view", None)  # pyarrow's export: the same output
+                ao.assert_outputs_equal(out, ao.from_record_batch(batch, custom_metadata=custom))
+            assert filled, name
+            assert filled[-1] is True, name
+    finally:
+        _accel.set_pure_python(not was)
