@@ -14,9 +14,9 @@ export ARROW_OUTPUTS_REQUIRE_SPEEDUPS ?= 1
 .PHONY: install demo test lint typecheck unit docs notebooks notebooks-write bench bench-all clean
 
 # setup.py and the compiled sources too: `pip install -e .` is what recompiles them.
-# arrow_outputs._arrowview compiles against pyarrow's C++ library and loads only into that
+# arrow_outputs._arrowbridge compiles against pyarrow's C++ library and loads only into that
 # very version: pyarrow goes in first and the build uses it (no build isolation).
-$(STAMP): pyproject.toml setup.py arrow_outputs/_speedups.c arrow_outputs/_arrowview.cc
+$(STAMP): pyproject.toml setup.py arrow_outputs/_speedups.c arrow_outputs/_arrowbridge.cc
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)" $(TORCH_PIP_ARGS)

@@ -4,7 +4,7 @@ Both extensions are optional: where one does not compile the package installs an
 
 - ``arrow_outputs._speedups`` (C, the Python headers only): the codec's walks; without it
   the package runs their pure-Python twin, ``arrow_outputs._pyspeedups``.
-- ``arrow_outputs._arrowview`` (C++, against the pyarrow being built with): hands the C
+- ``arrow_outputs._arrowbridge`` (C++, against the pyarrow being built with): hands the C
   decode walk a batch's buffers without pyarrow's export; without it (or when pyarrow later
   changes version) the walk reads pyarrow's export instead, for the same result.
 
@@ -44,8 +44,8 @@ def _arrow_view() -> list[Extension]:
         return []
     return [
         Extension(
-            "arrow_outputs._arrowview",
-            ["arrow_outputs/_arrowview.cc"],
+            "arrow_outputs._arrowbridge",
+            ["arrow_outputs/_arrowbridge.cc"],
             language="c++",
             optional=not REQUIRED,
             # -isystem: warnings are for this module's code, not for Arrow's headers.

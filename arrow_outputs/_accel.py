@@ -72,18 +72,18 @@ except ModuleNotFoundError as e:
 #: Whether the compiled module was built and imported (whichever path is in use now).
 AVAILABLE: bool = _compiled is not None
 
-# The decode walk's reader of a batch's buffers without pyarrow's export (``_arrowview``,
+# The decode walk's reader of a batch's buffers without pyarrow's export (``_arrowbridge``,
 # C++ against the pyarrow it was built with). Unlike ``_speedups`` it may fail to load in a
 # sound install: upgrading pyarrow after installing arrow-outputs makes it refuse to load
 # (or its library go missing), and the walk then reads pyarrow's export, with the same result.
-_view: ModuleType | None
+_bridge: ModuleType | None
 try:
-    import arrow_outputs._arrowview as _view
+    import arrow_outputs._arrowbridge as _bridge
 except ImportError as e:
-    _view = None
-    VIEW_UNAVAILABLE: str = str(e)
+    _bridge = None
+    BRIDGE_UNAVAILABLE: str = str(e)
 else:
-    VIEW_UNAVAILABLE = ""
+    BRIDGE_UNAVAILABLE = ""
 
 # The walks and the assembly, rebound by set_pure_python; typed by the specification's
 # signatures.
@@ -113,13 +113,13 @@ _known_req_ids: Any = None
 def _c_decode_batch(batch: pa.RecordBatch, *plan: Any) -> tuple[Any, ...] | None:
     """The decoded objects of ``batch`` from one walk in C, or None (see
     ``_speedups.decode_batch``): the batch's array is handed over once through the C Data
-    Interface (the schema was checked in Python) and read there. ``_arrowview`` fills the
+    Interface (the schema was checked in Python) and read there. ``_arrowbridge`` fills the
     ArrowArray tree from the batch's own buffers where it can (a third of a small step's
     decode less); pyarrow's export, the same tree, otherwise."""
     global _known_req_ids
     assert _compiled is not None  # only bound when it was built
     capsule, address = _compiled.array_slot()
-    if _view is None or not _view.export_into(batch, address):
+    if _bridge is None or not _bridge.export_into(batch, address):
         batch._export_to_c(address)
     got = _compiled.decode_batch(capsule, batch.num_rows, *plan, _known_req_ids)
     if got is None:
@@ -136,17 +136,34 @@ decode_batch: Any = None
 def _c_record_batch(
     columns: list[Any], schema: pa.Schema, n: int, metadata: dict[bytes, bytes] | None = None
 ) -> pa.RecordBatch:
-    """:func:`_pyspeedups.record_batch` in one import: the C module assembles the node
-    columns' ArrowArrays (no copy) and pyarrow imports them against their fields, whose types
-    it already holds (one C Data Interface crossing instead of a constructor call per array).
+    """:func:`_pyspeedups.record_batch` without a constructor call per array, and no copy:
+    ``_arrowbridge.assemble`` makes the whole batch from the nodes in Arrow's C++ library
+    where it is loaded; otherwise :func:`_import_record_batch` imports the node columns
+    through the Arrow C Data Interface (about 10 us more per step).
+    """
+    if _compiled is None or len(columns) != len(schema):
+        return _pyspeedups.record_batch(columns, schema, n, metadata)
+    if _bridge is not None:
+        listed = columns if type(columns) is list else list(columns)
+        got = _bridge.assemble(schema, n, listed, metadata)
+        # None: a column that is not what its field says, or input of another kind; the
+        # specification makes that batch or raises its precise error.
+        return _pyspeedups.record_batch(columns, schema, n, metadata) if got is None else got
+    return _import_record_batch(columns, schema, n, metadata)
+
+
+def _import_record_batch(
+    columns: list[Any], schema: pa.Schema, n: int, metadata: dict[bytes, bytes] | None
+) -> pa.RecordBatch:
+    """:func:`_c_record_batch` through pyarrow's API: the node columns' tree imported with
+    ``RecordBatch._import_from_c``.
 
     A column given as a pyarrow array of its field's type joins the batch after the import
     as it is (``add_column``: its arrays are not imported again, a third of the cost for the
     all-null columns of absent fields); any other column sends the whole batch to the
     specification, which raises what ``from_arrays`` raises.
     """
-    if _compiled is None or len(columns) != len(schema):
-        return _pyspeedups.record_batch(columns, schema, n, metadata)
+    assert _compiled is not None  # only called on the compiled path
     kinds = tuple(map(type, columns))
     if kinds.count(tuple) == len(columns):  # every column a node
         nodes = tuple(columns)

@@ -23,7 +23,7 @@ pure-Python fallback; switched at run time with ``arrow_outputs._accel.set_pure_
   ``RecordBatch`` in one C Data Interface call, with the step metadata attached, the
   all-null columns of absent fields (the same every step of a size) added as they are, and
   the batch released; decode: ``validate(full=True)`` (untrusted batches must be validated) and
-  the batch's buffers handed over once as the C walk reads them (``_arrowview``'s view where
+  the batch's buffers handed over once as the C walk reads them (``_arrowbridge``'s view where
   it is built, else pyarrow's export). ``pickle / floor`` is the best ratio any
   encoder or decoder that makes or reads this batch could reach on this machine: a target
   above it cannot be met by more work on the codec.
@@ -365,7 +365,7 @@ def floor_figures(batches: list[pa.RecordBatch], fresh: FreshBatches) -> list[Fi
         return []
     array_slot = speedups.array_slot
     try:
-        export_into = importlib.import_module("arrow_outputs._arrowview").export_into
+        export_into = importlib.import_module("arrow_outputs._arrowbridge").export_into
     except ImportError:
         export_into = None
     ready = []

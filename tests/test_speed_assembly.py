@@ -318,16 +318,43 @@ def test_build_array_refuses_too_deep_trees() -> None:
 # ----------------------------------------------------------------------------- record_batch
 
 
+@pytest.fixture(params=["bridge", "import"])
+def assembly(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> tuple[str, list[int]]:
+    """The C path's two ways to make the batch: ``_arrowbridge.assemble`` (Arrow's C++
+    library) and the import through pyarrow's API (where the bridge is not loaded, and for
+    what it declines). Returns the route and the list that counts the import path's calls."""
+    if request.param == "bridge" and _accel._bridge is None:
+        pytest.skip(f"arrow_outputs._arrowbridge not loaded: {_accel.BRIDGE_UNAVAILABLE}")
+    if request.param == "import":
+        monkeypatch.setattr(_accel, "_bridge", None)
+    imports: list[int] = []
+    real = _accel._import_record_batch
+    monkeypatch.setattr(_accel, "_import_record_batch", lambda *a: imports.append(1) or real(*a))
+    return request.param, imports
+
+
 @needs_c
 @pytest.mark.parametrize("make", CASES, ids=lambda f: f.__name__.lstrip("_"))
-def test_record_batch_c_assembly_runs_for_every_case(make: Any, monkeypatch: Any) -> None:
-    """The C path assembles every case itself (no fallback to the specification), and the
-    nodes of every column describe it exactly (array_of(node_of(col)) == col)."""
+def test_record_batch_c_assembly_runs_for_every_case(
+    make: Any, monkeypatch: Any, assembly: tuple[str, list[int]]
+) -> None:
+    """The C path assembles every case itself (no fallback to the specification; the bridge
+    declines none), and the nodes of every column describe it exactly
+    (array_of(node_of(col)) == col)."""
     fallbacks = []
     spec = _pyspeedups.record_batch
     monkeypatch.setattr(_pyspeedups, "record_batch", lambda *a: fallbacks.append(1) or spec(*a))
-    batch = _on("c", lambda: ao.to_record_batch(make(), step=1))
+    out = make()
+    batch = _on("c", lambda: ao.to_record_batch(out, step=1))
     assert fallbacks == []
+    route, imports = assembly
+    assert (imports == []) is (route == "bridge")
+    assert batch.equals(_on("python", lambda: ao.to_record_batch(out, step=1)))
+    assert batch.schema.equals(
+        _on("python", lambda: ao.to_record_batch(out, step=1)).schema, check_metadata=True
+    )
     for col, field in zip(batch.columns, batch.schema):
         node = _pyspeedups.node_of(col)
         assert node is not None
@@ -335,6 +362,7 @@ def test_record_batch_c_assembly_runs_for_every_case(make: Any, monkeypatch: Any
 
 
 @needs_c
+@pytest.mark.usefixtures("assembly")
 def test_record_batch_falls_back_for_what_a_node_cannot_say() -> None:
     out = CASES[0]()
     batch = _on("python", lambda: ao.to_record_batch(out, step=1))

@@ -29,12 +29,12 @@ pytestmark = pytest.mark.skipif(not _accel.AVAILABLE, reason="the C accelerator 
 
 @pytest.fixture(autouse=True, params=["view", "export"])
 def _c_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Every test on both ways the walk gets the batch's buffers: ``_arrowview``'s view of
+    """Every test on both ways the walk gets the batch's buffers: ``_arrowbridge``'s view of
     them, and pyarrow's export (where the view is not built or not loadable)."""
-    if request.param == "view" and _accel._view is None:
-        pytest.skip(f"arrow_outputs._arrowview not loaded: {_accel.VIEW_UNAVAILABLE}")
+    if request.param == "view" and _accel._bridge is None:
+        pytest.skip(f"arrow_outputs._arrowbridge not loaded: {_accel.BRIDGE_UNAVAILABLE}")
     if request.param == "export":
-        monkeypatch.setattr(_accel, "_view", None)
+        monkeypatch.setattr(_accel, "_bridge", None)
     was = _accel.accelerated()
     _accel.set_pure_python(False)
     yield

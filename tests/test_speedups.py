@@ -101,9 +101,9 @@ def test_speedups_built_when_required():
 
     assert _accel.AVAILABLE
     # The C++ reader of a batch's buffers for the decode walk, against this very pyarrow.
-    import arrow_outputs._arrowview as view
+    import arrow_outputs._arrowbridge as view
 
-    assert _accel.VIEW_UNAVAILABLE == ""
+    assert _accel.BRIDGE_UNAVAILABLE == ""
     assert pa.cpp_build_info.version == view.ARROW_VERSION
 
 

@@ -1,4 +1,4 @@
-"""``arrow_outputs._arrowview``: a batch's buffers as the ArrowArray tree pyarrow's export
+"""``arrow_outputs._arrowbridge``: a batch's buffers as the ArrowArray tree pyarrow's export
 would give, filled from the batch's own ArrayData (no per-node allocation), for the C decode
 walk.
 
@@ -24,11 +24,11 @@ import pytest
 from conftest import speedups_c
 
 import arrow_outputs as ao
-from arrow_outputs import LogprobsLists, ModelRunnerOutput, SamplingMaskLists, _accel
+from arrow_outputs import LogprobsLists, ModelRunnerOutput, SamplingMaskLists, _accel, _pyspeedups
 
 pytestmark = pytest.mark.skipif(
-    _accel._view is None or speedups_c is None,
-    reason=f"arrow_outputs._arrowview not loaded: {_accel.VIEW_UNAVAILABLE}",
+    _accel._bridge is None or speedups_c is None,
+    reason=f"arrow_outputs._arrowbridge not loaded: {_accel.BRIDGE_UNAVAILABLE}",
 )
 
 # struct ArrowArray: five int64 (length, null_count, offset, n_buffers, n_children), then the
@@ -135,7 +135,7 @@ BATCH_NAMES += ["decode", "mask", "from-ipc"]
 def test_tree_imports_back_as_the_batch_sharing_every_buffer(name: str) -> None:
     batch = dict(_batches())[name]
     capsule, address = _slot()
-    assert _accel._view.export_into(batch, address) is True
+    assert _accel._bridge.export_into(batch, address) is True
     back = pa.RecordBatch._import_from_c(address, batch.schema)
     assert _released(address)  # moved into the imported batch
     back.validate(full=True)
@@ -159,13 +159,13 @@ def test_tree_holds_the_batch_until_released() -> None:
     batch = pa.RecordBatch.from_arrays([pa.array(data)], ["x"])
     before = sys.getrefcount(batch)
     capsule, address = _slot()
-    assert _accel._view.export_into(batch, address)
+    assert _accel._bridge.export_into(batch, address)
     assert sys.getrefcount(batch) == before + 1
     del capsule  # never imported: the capsule releases the tree
     assert sys.getrefcount(batch) == before
 
     capsule, address = _slot()
-    assert _accel._view.export_into(batch, address)
+    assert _accel._bridge.export_into(batch, address)
     back = pa.RecordBatch._import_from_c(address, batch.schema)
     del capsule, batch
     gc.collect()
@@ -179,7 +179,7 @@ def test_tree_released_on_another_thread() -> None:
     before = sys.getrefcount(batch)
     holder: list[Any] = []
     capsule, address = _slot()
-    assert _accel._view.export_into(batch, address)
+    assert _accel._bridge.export_into(batch, address)
     holder.append(pa.RecordBatch._import_from_c(address, batch.schema))
     del capsule
     assert sys.getrefcount(batch) == before + 1
@@ -255,7 +255,7 @@ def test_declines_what_it_does_not_mirror_and_leaves_the_slot(name: str) -> None
     batch = dict(_unmirrored())[name]
     before = sys.getrefcount(batch)
     capsule, address = _slot()
-    assert _accel._view.export_into(batch, address) is False, name
+    assert _accel._bridge.export_into(batch, address) is False, name
     assert _released(address)
     assert sys.getrefcount(batch) == before
     # pyarrow's export then fills the same slot (the capsule releases it).
@@ -267,38 +267,182 @@ def test_declines_what_it_does_not_mirror_and_leaves_the_slot(name: str) -> None
 def test_refuses_a_used_slot_a_null_address_and_what_is_not_a_batch() -> None:
     batch = _struct_batch(2)
     capsule, address = _slot()
-    assert _accel._view.export_into(batch, address)
+    assert _accel._bridge.export_into(batch, address)
     with pytest.raises(ValueError, match="unreleased"):
-        _accel._view.export_into(batch, address)
+        _accel._bridge.export_into(batch, address)
     with pytest.raises(ValueError, match="address is 0"):
-        _accel._view.export_into(batch, 0)
+        _accel._bridge.export_into(batch, 0)
     with pytest.raises(TypeError, match=r"pyarrow\.RecordBatch"):
-        _accel._view.export_into(pa.table({"a": [1]}), address)
+        _accel._bridge.export_into(pa.table({"a": [1]}), address)
     with pytest.raises(TypeError, match="2 arguments"):
-        _accel._view.export_into(batch)
+        _accel._bridge.export_into(batch)
     del capsule
 
 
 def test_decode_reads_through_the_view(monkeypatch: pytest.MonkeyPatch) -> None:
     filled: list[bool] = []
-    real = _accel._view
+    real = _accel._bridge
 
     class Spy:
+        assemble = staticmethod(real.assemble)
+
         @staticmethod
         def export_into(batch: Any, address: int) -> bool:
             filled.append(real.export_into(batch, address))
             return filled[-1]
 
-    monkeypatch.setattr(_accel, "_view", Spy)
+    monkeypatch.setattr(_accel, "_bridge", Spy)
     was = _accel.accelerated()
     _accel.set_pure_python(False)
     try:
         for name, batch, custom in _step_batches():
             out = ao.from_record_batch(batch, custom_metadata=custom)
             with monkeypatch.context() as m:
-                m.setattr(_accel, "_view", None)  # pyarrow's export: the same output
+                m.setattr(_accel, "_bridge", None)  # pyarrow's export: the same output
                 ao.assert_outputs_equal(out, ao.from_record_batch(batch, custom_metadata=custom))
             assert filled, name
             assert filled[-1] is True, name
     finally:
         _accel.set_pure_python(not was)
+
+
+# ----------------------------------------------------------------------------- assemble
+
+SCHEMA = pa.schema(
+    [("a", pa.int64()), ("n", pa.int32()), ("s", pa.string())], metadata={b"run": b"r1"}
+)
+
+
+def _columns(values: np.ndarray, n_type: pa.DataType | None = None) -> list[Any]:
+    """Two node columns (int64 values, strings) around a pyarrow array column."""
+    n = len(values)
+    offsets = np.arange(n + 1, dtype=np.int32)
+    return [
+        (n, 0, (None, values), ()),
+        pa.nulls(n, n_type or pa.int32()),
+        (n, 0, (None, offsets, b"x" * n), ()),
+    ]
+
+
+@pytest.mark.parametrize("metadata", [None, {b"run": b"r1", b"arrow_outputs.step": b"{}"}])
+def test_assemble_is_the_specifications_batch_over_the_same_buffers(metadata: Any) -> None:
+    values = np.arange(5, dtype=np.int64)
+    columns = _columns(values)
+    got = _accel._bridge.assemble(SCHEMA, 5, columns, metadata)
+    spec = _pyspeedups.record_batch(columns, SCHEMA, 5, metadata)
+    imported = _accel._import_record_batch(columns, SCHEMA, 5, metadata)
+    for ref in (spec, imported):
+        assert got.equals(ref)
+        assert got.schema.equals(ref.schema, check_metadata=True)
+        assert _addresses(got) == _addresses(ref)  # zero-copy: the nodes' own memory
+    assert got.schema.metadata == (SCHEMA.metadata if metadata is None else metadata)
+    assert got.column(0).buffers()[1].address == values.ctypes.data
+    # Arrow sees each buffer's real size (an imported tree's are computed from lengths).
+    assert got.column(0).buffers()[1].size == values.nbytes
+    got.validate(full=True)
+
+
+def test_assemble_holds_the_node_buffers_until_arrow_lets_go() -> None:
+    values = np.arange(6, dtype=np.int64)
+    alive = weakref.ref(values)
+    before = sys.getrefcount(values)
+    got = _accel._bridge.assemble(SCHEMA, 6, _columns(values), None)
+    assert sys.getrefcount(values) == before + 1  # one Py_buffer
+    del values
+    gc.collect()
+    assert alive() is not None
+    assert got.column(0).to_pylist() == list(range(6))
+    # Released from another thread: the buffer is given back under the GIL.
+    holder = [got]
+    del got
+    thread = threading.Thread(target=holder.clear)
+    thread.start()
+    thread.join()
+    gc.collect()
+    assert alive() is None
+
+
+def _declined(columns: list[Any], metadata: Any = None, n: int = 4) -> None:
+    """assemble declines, holds nothing, and the specification raises or makes it."""
+    values = columns[0][2][1] if type(columns[0]) is tuple else None
+    before = sys.getrefcount(values)
+    assert _accel._bridge.assemble(SCHEMA, n, columns, metadata) is None
+    gc.collect()
+    assert sys.getrefcount(values) == before
+
+
+def test_assemble_declines_what_is_not_its_fields_shape() -> None:
+    values = np.arange(4, dtype=np.int64)
+    _declined(_columns(values, pa.int64()))  # an array column of another type
+    cols = _columns(values)
+    cols[1] = pa.nulls(3, pa.int32())  # another length
+    _declined(cols)
+    cols = _columns(values)
+    cols[1] = [None] * 4  # neither node nor array
+    _declined(cols)
+    _declined(_columns(values), {"run": b"r1"})  # metadata: bytes only
+    _declined(_columns(values), {b"run": "r1"})
+    _declined(_columns(values)[:2])  # a column short
+    _declined(_columns(values), n=5)  # nodes of another length than the batch
+    for bad in (
+        (4, 0, (None,), ()),  # a buffer short of the layout's
+        (4, 0, (None, values, None), ()),  # one too many
+        (4, 0, (None, values), ((4, 0, (None, values), ()),)),  # a child int64 has not
+        (4, 5, (None, values), ()),  # more nulls than values
+        (-1, 0, (None, values), ()),
+        (4, 0, (None, values)),  # not a node
+        [4, 0, (None, values), ()],
+        (4.0, 0, (None, values), ()),
+        (4, 0, (None, "not a buffer"), ()),
+        (2**70, 0, (None, values), ()),
+    ):
+        cols = _columns(values)
+        cols[0] = bad
+        assert _accel._bridge.assemble(SCHEMA, 4, cols, None) is None, bad
+
+
+def test_assemble_declines_buffers_too_small_for_their_lengths() -> None:
+    values = np.arange(4, dtype=np.int64)
+    short = _columns(values)
+    short[0] = (8, 0, (None, values), ())  # 8 int64 values claimed over 4
+    short[1] = pa.nulls(8, pa.int32())
+    short[2] = (8, 0, (None, np.arange(9, dtype=np.int32), b"x" * 8), ())
+    _declined(short, n=8)
+    with pytest.raises(pa.ArrowInvalid, match="too small"):  # the specification's error
+        _accel.record_batch(short, SCHEMA, 8)
+    past_data = _columns(values)
+    past_data[2] = (4, 0, (None, np.array([0, 1, 2, 3, 99], np.int32), b"xxxx"), ())
+    _declined(past_data)
+    unordered = _columns(values)
+    unordered[2] = (4, 0, (None, np.array([0, 3, 2, 3, 4], np.int32), b"xxxx"), ())
+    # Offsets out of order are full validation's (as for from_buffers): made, then refused.
+    got = _accel._bridge.assemble(SCHEMA, 4, unordered, None)
+    with pytest.raises(pa.ArrowInvalid):
+        got.validate(full=True)
+
+
+def test_assemble_refuses_bad_arguments() -> None:
+    columns = _columns(np.arange(3, dtype=np.int64))
+    with pytest.raises(TypeError, match="4 arguments"):
+        _accel._bridge.assemble(SCHEMA, 3)
+    for bad in (
+        ("schema", 3, columns, None),
+        (SCHEMA, 3.0, columns, None),
+        (SCHEMA, 3, tuple(columns), None),
+        (SCHEMA, 3, columns, [(b"k", b"v")]),
+    ):
+        with pytest.raises(TypeError, match="assemble"):
+            _accel._bridge.assemble(*bad)
+    with pytest.raises(OverflowError):
+        _accel._bridge.assemble(SCHEMA, 2**70, columns, None)
+    assert _accel._bridge.assemble(SCHEMA, -1, columns, None) is None
+
+
+def test_assemble_declines_trees_too_deep() -> None:
+    t: pa.DataType = pa.int32()
+    node: Any = (1, 0, (None, np.zeros(1, np.int32)), ())
+    for _ in range(70):
+        t = pa.list_(t)
+        node = (1, 0, (None, np.array([0, 1], np.int32)), (node,))
+    schema = pa.schema([("deep", t)])
+    assert _accel._bridge.assemble(schema, 1, [node], None) is None

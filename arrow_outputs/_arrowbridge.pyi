@@ -1,4 +1,4 @@
-"""Types of the C++ module ``arrow_outputs._arrowview`` (``_arrowview.cc``)."""
+"""Types of the C++ module ``arrow_outputs._arrowbridge`` (``_arrowbridge.cc``)."""
 
 import pyarrow as pa
 

@@ -1,0 +1,519 @@
+/* arrow_outputs._arrowbridge: the C accelerator's two crossings into pyarrow, done in Arrow's
+ * own C++ library instead of through pyarrow's Python API.
+ *
+ * export_into(batch, address) -> bool                                  (decode)
+ * assemble(schema, n, columns, metadata) -> RecordBatch | None                (encode)
+ *
+ * Decode. The walk (_speedups.decode_batch) reads a batch through the Arrow C Data
+ * Interface: an ArrowArray tree that pyarrow fills with RecordBatch._export_to_c. That export
+ * allocates per node (the struct array of the columns, one private block per node) and costs
+ * about 10 us for a step's 41 nodes, a third of a small step's decode. export_into fills the
+ * same tree from the batch's own ArrayData, in one block: every node, buffer pointer and
+ * child pointer the exporter would give (same lengths, offsets, null counts, buffer order),
+ * and a release callback that drops the reference it takes to the batch. The tree borrows the
+ * batch's buffers, which a record batch never changes, for as long as the tree lives.
+ * It fills the tree only for layouts whose ArrowArray is their ArrayData as it is: the
+ * fixed-width, binary, list, fixed-size-list, struct and null layouts (and extension types
+ * over them), on CPU memory, without dictionaries, at most 64 levels deep. For anything
+ * else it returns False with the slot untouched, and the caller exports it with pyarrow.
+ *
+ * Encode. The codec hands its columns to _accel.record_batch as nodes (length, null_count,
+ * buffers, children: tuples over the objects whose memory holds the values) and as pyarrow
+ * arrays (the all-null columns of absent fields). Through pyarrow's API that batch takes five
+ * kinds of calls: _speedups.build_array's ArrowArray tree imported with
+ * RecordBatch._import_from_c, Schema.with_metadata, RecordBatch.validate, and one
+ * add_column per array column (each a new schema and batch). assemble makes the same batch
+ * in one call from the nodes themselves: each buffer an Arrow buffer over the object's own
+ * memory (held until Arrow lets go; no copy), each node column checked as from_buffers
+ * checks it (its shape against the field's type, then ValidateArray with the buffers' real
+ * sizes, which an imported tree does not carry), each array column as add_column checks it
+ * (type and length). It declines (None) whatever it does not take, and the caller then runs
+ * the specification, _pyspeedups.record_batch, which makes the batch or raises its error.
+ *
+ * Built against pyarrow's own C++ library (setup.py), so it only loads into the pyarrow it
+ * was built against: a module built for another version refuses to import, and
+ * arrow_outputs._accel then uses pyarrow's export and import, as where it was never built. */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <arrow/array/array_base.h>
+#include <arrow/array/data.h>
+#include <arrow/array/validate.h>
+#include <arrow/c/abi.h>
+#include <arrow/config.h>
+#include <arrow/extension_type.h>
+#include <arrow/python/pyarrow.h>
+#include <arrow/record_batch.h>
+#include <arrow/type.h>
+#include <arrow/util/config.h>
+#include <arrow/util/key_value_metadata.h>
+
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <new>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace {
+
+// The nesting depth the IPC reader allows; deeper trees go to pyarrow's exporter.
+constexpr int kMaxDepth = 64;
+
+struct Sizes {
+    size_t nodes = 0;
+    size_t buffers = 0;
+    size_t children = 0;
+};
+
+// Whether the exporter's ArrowArray of this layout is its ArrayData as it is (and how many
+// leading buffers it drops: the null layout has no validity bitmap in the interface).
+bool
+mirrored(const arrow::DataType &type, size_t *skip)
+{
+    const arrow::DataType *t = &type;
+    if (t->id() == arrow::Type::EXTENSION) {
+        t = static_cast<const arrow::ExtensionType *>(t)->storage_type().get();
+    }
+    *skip = 0;
+    switch (t->id()) {
+    case arrow::Type::NA:
+        *skip = 1;
+        return true;
+    case arrow::Type::DICTIONARY:
+    case arrow::Type::EXTENSION:  // an extension over an extension: not in this format
+    case arrow::Type::SPARSE_UNION:
+    case arrow::Type::DENSE_UNION:
+    case arrow::Type::RUN_END_ENCODED:
+    case arrow::Type::STRING_VIEW:
+    case arrow::Type::BINARY_VIEW:
+    case arrow::Type::LIST_VIEW:
+    case arrow::Type::LARGE_LIST_VIEW:
+        return false;
+    default:
+        return true;
+    }
+}
+
+// Counts the tree's nodes, buffers and child pointers; false when a node is not mirrored.
+bool
+measure(const arrow::ArrayData &d, int depth, Sizes *s)
+{
+    size_t skip;
+    if (depth > kMaxDepth || d.dictionary != nullptr || !mirrored(*d.type, &skip) ||
+        d.buffers.size() < skip) {
+        return false;
+    }
+    for (const auto &b : d.buffers) {
+        if (b != nullptr && !b->is_cpu()) {
+            return false;
+        }
+    }
+    s->nodes += 1;
+    s->buffers += d.buffers.size() - skip;
+    s->children += d.child_data.size();
+    for (const auto &c : d.child_data) {
+        if (c == nullptr || !measure(*c, depth + 1, s)) {
+            return false;
+        }
+    }
+    return true;
+}
+
+// The block a filled tree lives in: the batch it borrows from, then the nodes (the root is
+// the caller's slot), the buffer pointers and the child pointers.
+struct Block {
+    PyObject *batch;
+};
+
+struct Cursor {
+    ArrowArray *nodes;
+    const void **buffers;
+    ArrowArray **children;
+};
+
+// A child's release: the block (and the batch) go with the root.
+void
+release_child(ArrowArray *a)
+{
+    a->release = nullptr;
+}
+
+void
+release_root(ArrowArray *a)
+{
+    Block *block = static_cast<Block *>(a->private_data);
+    // The interface lets a consumer release from any thread.
+    PyGILState_STATE gil = PyGILState_Ensure();
+    Py_DECREF(block->batch);
+    PyGILState_Release(gil);
+    PyMem_RawFree(block);
+    a->release = nullptr;
+}
+
+void
+fill(const arrow::ArrayData &d, ArrowArray *out, Cursor *at)
+{
+    size_t skip;
+    mirrored(*d.type, &skip);
+    out->length = d.length;
+    out->offset = d.offset;
+    out->null_count = d.null_count.load();  // -1 (unknown) is the interface's too
+    out->n_buffers = static_cast<int64_t>(d.buffers.size() - skip);
+    out->buffers = at->buffers;
+    for (size_t i = skip; i < d.buffers.size(); i++) {
+        *at->buffers++ = d.buffers[i] != nullptr ? d.buffers[i]->data() : nullptr;
+    }
+    out->n_children = static_cast<int64_t>(d.child_data.size());
+    out->children = at->children;
+    at->children += d.child_data.size();
+    out->dictionary = nullptr;
+    out->private_data = nullptr;
+    out->release = release_child;
+    for (size_t i = 0; i < d.child_data.size(); i++) {
+        ArrowArray *child = at->nodes++;
+        out->children[i] = child;
+        fill(*d.child_data[i], child, at);
+    }
+}
+
+PyObject *
+export_into(PyObject *, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "export_into() takes 2 arguments (%zd given)", nargs);
+        return nullptr;
+    }
+    PyObject *obj = args[0];
+    if (!arrow::py::is_batch(obj)) {
+        PyErr_Format(PyExc_TypeError, "export_into(): expected a pyarrow.RecordBatch, got %s",
+                     Py_TYPE(obj)->tp_name);
+        return nullptr;
+    }
+    void *address = PyLong_AsVoidPtr(args[1]);
+    if (address == nullptr) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_ValueError, "export_into(): the address is 0");
+        }
+        return nullptr;
+    }
+    ArrowArray *root = static_cast<ArrowArray *>(address);
+    if (root->release != nullptr) {
+        PyErr_SetString(PyExc_ValueError, "export_into(): the slot holds an unreleased array");
+        return nullptr;
+    }
+    arrow::Result<std::shared_ptr<arrow::RecordBatch>> got = arrow::py::unwrap_batch(obj);
+    if (!got.ok()) {
+        PyErr_SetString(PyExc_TypeError, "export_into(): not a usable pyarrow.RecordBatch");
+        return nullptr;
+    }
+    const arrow::RecordBatch &batch = **got;
+    const int ncols = batch.num_columns();
+    Sizes s;
+    s.buffers = 1;  // the root's validity (none)
+    s.children = static_cast<size_t>(ncols);
+    for (int i = 0; i < ncols; i++) {
+        const std::shared_ptr<arrow::ArrayData> &col = batch.column_data(i);
+        if (col == nullptr || !measure(*col, 1, &s)) {
+            Py_RETURN_FALSE;
+        }
+    }
+    const size_t bytes = sizeof(Block) + s.nodes * sizeof(ArrowArray) +
+                         s.buffers * sizeof(void *) + s.children * sizeof(ArrowArray *);
+    char *mem = static_cast<char *>(PyMem_RawMalloc(bytes));
+    if (mem == nullptr) {
+        return PyErr_NoMemory();
+    }
+    Block *block = reinterpret_cast<Block *>(mem);
+    Cursor at;
+    at.nodes = reinterpret_cast<ArrowArray *>(mem + sizeof(Block));
+    char *buffers_at = mem + sizeof(Block) + s.nodes * sizeof(ArrowArray);
+    at.buffers = reinterpret_cast<const void **>(buffers_at);
+    at.children = reinterpret_cast<ArrowArray **>(buffers_at + s.buffers * sizeof(void *));
+
+    // The root: the struct array of the columns that the exporter makes of a batch.
+    root->length = batch.num_rows();
+    root->offset = 0;
+    root->null_count = 0;
+    root->n_buffers = 1;
+    root->buffers = at.buffers;
+    *at.buffers++ = nullptr;
+    root->n_children = ncols;
+    root->children = at.children;
+    at.children += ncols;
+    root->dictionary = nullptr;
+    for (int i = 0; i < ncols; i++) {
+        ArrowArray *child = at.nodes++;
+        root->children[i] = child;
+        fill(*batch.column_data(i), child, &at);
+    }
+    Py_INCREF(obj);
+    block->batch = obj;
+    root->private_data = block;
+    root->release = release_root;
+    Py_RETURN_TRUE;
+}
+
+// The metadata dict (bytes to bytes) as Arrow's; false for anything else.
+bool
+metadata_of(PyObject *dict, std::shared_ptr<const arrow::KeyValueMetadata> *out)
+{
+    std::vector<std::string> keys, values;
+    keys.reserve(static_cast<size_t>(PyDict_GET_SIZE(dict)));
+    values.reserve(static_cast<size_t>(PyDict_GET_SIZE(dict)));
+    PyObject *key, *value;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(dict, &pos, &key, &value)) {
+        if (!PyBytes_CheckExact(key) || !PyBytes_CheckExact(value)) {
+            return false;
+        }
+        keys.emplace_back(PyBytes_AS_STRING(key), static_cast<size_t>(PyBytes_GET_SIZE(key)));
+        values.emplace_back(PyBytes_AS_STRING(value),
+                            static_cast<size_t>(PyBytes_GET_SIZE(value)));
+    }
+    *out = arrow::KeyValueMetadata::Make(std::move(keys), std::move(values));
+    return true;
+}
+
+// A node's buffer: the object's own memory, held (a Py_buffer) for as long as Arrow holds
+// the buffer, and given back under the GIL from whatever thread drops it last.
+class HeldBuffer : public arrow::Buffer {
+  public:
+    explicit HeldBuffer(const Py_buffer &view)
+        : arrow::Buffer(static_cast<const uint8_t *>(view.buf), view.len), view_(view)
+    {
+    }
+    ~HeldBuffer() override
+    {
+        PyGILState_STATE gil = PyGILState_Ensure();
+        PyBuffer_Release(&view_);
+        PyGILState_Release(gil);
+    }
+
+  private:
+    Py_buffer view_;
+};
+
+// The layouts a node states completely: _pyspeedups._NODE_LAYOUTS.
+bool
+node_layout(arrow::Type::type id)
+{
+    switch (id) {
+    case arrow::Type::BOOL:
+    case arrow::Type::INT8:
+    case arrow::Type::INT16:
+    case arrow::Type::INT32:
+    case arrow::Type::INT64:
+    case arrow::Type::UINT8:
+    case arrow::Type::UINT16:
+    case arrow::Type::UINT32:
+    case arrow::Type::UINT64:
+    case arrow::Type::HALF_FLOAT:
+    case arrow::Type::FLOAT:
+    case arrow::Type::DOUBLE:
+    case arrow::Type::STRING:
+    case arrow::Type::BINARY:
+    case arrow::Type::LARGE_STRING:
+    case arrow::Type::LARGE_BINARY:
+    case arrow::Type::LIST:
+    case arrow::Type::LARGE_LIST:
+    case arrow::Type::FIXED_SIZE_LIST:
+    case arrow::Type::STRUCT:
+        return true;
+    default:
+        return false;
+    }
+}
+
+// build_array's bounds on a tree.
+constexpr int kMaxNodes = 1 << 16;
+
+// The ArrayData that `node` = (length, null_count, buffers, children) describes as `type`;
+// false (no Python error set) for a node that is not of that type's shape. Buffer sizes are
+// the objects' own, so ValidateArray later checks them against the lengths.
+bool
+node_data(PyObject *node, const std::shared_ptr<arrow::DataType> &type, int depth, int *count,
+          std::shared_ptr<arrow::ArrayData> *out)
+{
+    if (depth > kMaxDepth || ++*count > kMaxNodes || !PyTuple_CheckExact(node) ||
+        PyTuple_GET_SIZE(node) != 4) {
+        return false;
+    }
+    PyObject *length_obj = PyTuple_GET_ITEM(node, 0), *nulls_obj = PyTuple_GET_ITEM(node, 1);
+    PyObject *bufs = PyTuple_GET_ITEM(node, 2), *kids = PyTuple_GET_ITEM(node, 3);
+    if (!PyLong_CheckExact(length_obj) || !PyLong_CheckExact(nulls_obj) ||
+        !PyTuple_CheckExact(bufs) || !PyTuple_CheckExact(kids)) {
+        return false;
+    }
+    long long length = PyLong_AsLongLong(length_obj);
+    long long nulls = PyLong_AsLongLong(nulls_obj);
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+        return false;
+    }
+    if (length < 0 || nulls < 0 || nulls > length) {
+        return false;
+    }
+    const arrow::DataType *storage = type.get();
+    if (storage->id() == arrow::Type::EXTENSION) {
+        storage = static_cast<const arrow::ExtensionType *>(storage)->storage_type().get();
+    }
+    if (!node_layout(storage->id()) ||
+        PyTuple_GET_SIZE(bufs) != static_cast<Py_ssize_t>(storage->layout().buffers.size()) ||
+        PyTuple_GET_SIZE(kids) != storage->num_fields()) {
+        return false;
+    }
+    std::vector<std::shared_ptr<arrow::Buffer>> buffers(static_cast<size_t>(PyTuple_GET_SIZE(bufs)));
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(bufs); i++) {
+        PyObject *obj = PyTuple_GET_ITEM(bufs, i);
+        if (obj == Py_None) {
+            continue;
+        }
+        Py_buffer view;
+        if (PyObject_GetBuffer(obj, &view, PyBUF_SIMPLE) < 0) {
+            PyErr_Clear();
+            return false;
+        }
+        try {
+            buffers[static_cast<size_t>(i)] = std::make_shared<HeldBuffer>(view);
+        } catch (...) {
+            PyBuffer_Release(&view);
+            throw;
+        }
+    }
+    std::vector<std::shared_ptr<arrow::ArrayData>> children(static_cast<size_t>(PyTuple_GET_SIZE(kids)));
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(kids); i++) {
+        if (!node_data(PyTuple_GET_ITEM(kids, i), storage->field(static_cast<int>(i))->type(),
+                       depth + 1, count, &children[static_cast<size_t>(i)])) {
+            return false;
+        }
+    }
+    *out = arrow::ArrayData::Make(type, length, std::move(buffers), std::move(children), nulls);
+    return true;
+}
+
+PyObject *
+assemble_batch(PyObject *const *args)
+{
+    PyObject *columns = args[2], *meta = args[3];
+    if (!arrow::py::is_schema(args[0]) || !PyLong_CheckExact(args[1]) ||
+        !PyList_CheckExact(columns) || !(meta == Py_None || PyDict_CheckExact(meta))) {
+        PyErr_SetString(PyExc_TypeError,
+                        "assemble(schema: Schema, n: int, columns: list, metadata: dict | None)");
+        return nullptr;
+    }
+    std::shared_ptr<arrow::Schema> schema = *arrow::py::unwrap_schema(args[0]);
+    const int ncols = schema->num_fields();
+    long long n = PyLong_AsLongLong(args[1]);
+    if (n == -1 && PyErr_Occurred()) {
+        return nullptr;
+    }
+    if (n < 0 || PyList_GET_SIZE(columns) != ncols) {
+        Py_RETURN_NONE;
+    }
+    std::vector<std::shared_ptr<arrow::ArrayData>> data(static_cast<size_t>(ncols));
+    int count = 0;
+    for (int i = 0; i < ncols; i++) {
+        PyObject *column = PyList_GET_ITEM(columns, i);
+        const std::shared_ptr<arrow::DataType> &type = schema->field(i)->type();
+        std::shared_ptr<arrow::ArrayData> &col = data[static_cast<size_t>(i)];
+        if (PyTuple_CheckExact(column)) {
+            // from_buffers' checks: the node's shape, then ValidateArray (buffer sizes
+            // against lengths, first and last offsets) with the buffers' real sizes.
+            if (!node_data(column, type, 1, &count, &col) || col->length != n ||
+                !arrow::internal::ValidateArray(*col).ok()) {
+                Py_RETURN_NONE;
+            }
+        } else if (arrow::py::is_array(column)) {
+            // add_column's checks: the field's type and the batch's length.
+            std::shared_ptr<arrow::Array> array = *arrow::py::unwrap_array(column);
+            if (array->length() != n || !array->type()->Equals(*type)) {
+                Py_RETURN_NONE;
+            }
+            col = array->data();
+        } else {
+            Py_RETURN_NONE;
+        }
+    }
+    std::shared_ptr<arrow::Schema> target = schema;
+    if (meta != Py_None) {
+        std::shared_ptr<const arrow::KeyValueMetadata> kv;
+        if (!metadata_of(meta, &kv)) {
+            Py_RETURN_NONE;
+        }
+        target = schema->WithMetadata(kv);
+    }
+    return arrow::py::wrap_batch(arrow::RecordBatch::Make(std::move(target), n, std::move(data)));
+}
+
+PyObject *
+assemble(PyObject *, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_Format(PyExc_TypeError, "assemble() takes 4 arguments (%zd given)", nargs);
+        return nullptr;
+    }
+    try {
+        return assemble_batch(args);
+    } catch (const std::bad_alloc &) {
+        return PyErr_NoMemory();
+    }
+}
+
+PyMethodDef methods[] = {
+    {"export_into", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(export_into)),
+     METH_FASTCALL,
+     "export_into(batch, address) -> bool: fill the empty ArrowArray at address with a view of "
+     "the batch's buffers (the tree RecordBatch._export_to_c would give), holding the batch "
+     "until it is released; False, with the slot untouched, for a layout it does not mirror."},
+    {"assemble", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(assemble)),
+     METH_FASTCALL,
+     "assemble(schema, n, columns, metadata) -> RecordBatch | None: the batch of n rows whose "
+     "columns are nodes (length, null_count, buffers, children) or pyarrow arrays, under "
+     "schema with metadata (bytes to bytes) as its schema metadata; no copy, checked as "
+     "from_buffers and add_column check; None for anything else (the specification, "
+     "_pyspeedups.record_batch, then makes it or raises its error)."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyModuleDef module = {
+    PyModuleDef_HEAD_INIT,
+    "arrow_outputs._arrowbridge",
+    "The C accelerator's crossings into pyarrow, in Arrow's C++ library (export_into, assemble).",
+    -1,
+    methods,
+    nullptr,
+    nullptr,
+    nullptr,
+    nullptr,
+};
+
+}  // namespace
+
+PyMODINIT_FUNC
+PyInit__arrowbridge(void)
+{
+    // Only the libarrow this was compiled against: its ArrayData layout is what fill reads.
+    const std::string &running = arrow::GetBuildInfo().version_string;
+    if (running != ARROW_VERSION_STRING) {
+        PyErr_Format(PyExc_ImportError,
+                     "arrow_outputs._arrowbridge was built against Arrow %s, and Arrow %s is "
+                     "loaded; reinstall arrow-outputs to rebuild it",
+                     ARROW_VERSION_STRING, running.c_str());
+        return nullptr;
+    }
+    if (arrow::py::import_pyarrow() != 0) {
+        return nullptr;
+    }
+    PyObject *m = PyModule_Create(&module);
+    if (m == nullptr) {
+        return nullptr;
+    }
+    if (PyModule_AddStringConstant(m, "ARROW_VERSION", ARROW_VERSION_STRING) != 0) {
+        Py_DECREF(m);
+        return nullptr;
+    }
+    return m;
+}
