@@ -30,9 +30,11 @@ script times, on host tensors (the state after vLLM's copy event):
   implementation makes), ``Tensor.numpy()`` of the six logprob and mask tensors used in place
   (the cheapest view of a tensor's memory), and the step's finished buffers (the batch
   ``to_record_batch`` makes of vLLM's output, taken apart into a tree of nodes outside the
-  timing) imported as a ``RecordBatch`` in one C Data Interface call with the step's schema
-  metadata, ``validate()``d, its all-null columns (absent fields, kept from step to step)
-  added as they are (``add_column``), and released. It leaves out all the work on the data
+  timing) made into a ``RecordBatch`` with the step's schema metadata and its all-null
+  columns (absent fields, kept from step to step) as they are, checked as from_buffers
+  checks, the cheapest way this install has (``pyarrow_floor.assemble``: one
+  ``_arrowbridge.assemble`` call, else one C Data Interface import, ``validate()`` and
+  ``add_column``), and released. It leaves out all the work on the data
   (request ids, sampled rows, mask supports: the C walks) and every Python step between.
   ``best x`` = vLLM / floor is the most any implementation could reach here: a target above
   it is out of reach of work on ours, and the table below the whole-step table says so.
@@ -509,10 +511,10 @@ def print_floor(step_results: list[dict[str, Any]]) -> None:
         return
     print(
         "\nWHOLE-STEP FLOOR: what no implementation of this step on pyarrow avoids (vLLM's own"
-        "\nhost copies, Tensor.numpy() of the six tensors used in place, one C Data Interface"
-        "\nimport of the step's finished buffers with its step metadata, validate(), its"
-        "\nall-null columns added as they are, the batch released); best x = vLLM / floor, the"
-        "\nmost any implementation could reach here;"
+        "\nhost copies, Tensor.numpy() of the six tensors used in place, the batch made from"
+        "\nthe step's finished buffers with its step metadata and all-null columns, checked as"
+        "\nfrom_buffers checks, the cheapest way this install has, and released); best x ="
+        "\nvLLM / floor, the most any implementation could reach here;"
         "\nof ours = floor / batch"
     )
     header = (

@@ -19,10 +19,11 @@ pure-Python fallback; switched at run time with ``arrow_outputs._accel.set_pure_
 
 * the pyarrow floor ("floor", with the C module): the part of each side that no codec on
   pyarrow can avoid for this step, timed in the same rounds. Encode: the step's finished
-  buffers (nodes of the batch the encoder made, built outside the timing) imported as a
-  ``RecordBatch`` in one C Data Interface call, with the step metadata attached, the
-  all-null columns of absent fields (the same every step of a size) added as they are, and
-  the batch released; decode: ``validate(full=True)`` (untrusted batches must be validated) and
+  buffers (nodes of the batch the encoder made, built outside the timing) made into a
+  ``RecordBatch`` with the step metadata and the all-null columns of absent fields (the
+  same every step of a size) as they are, the cheapest way this install has
+  (``_arrowbridge.assemble``, else one C Data Interface import plus ``add_column``), and the
+  batch released; decode: ``validate(full=True)`` (untrusted batches must be validated) and
   the batch's buffers handed over once as the C walk reads them (``_arrowbridge``'s view where
   it is built, else pyarrow's export). ``pickle / floor`` is the best ratio any
   encoder or decoder that makes or reads this batch could reach on this machine: a target
@@ -351,12 +352,11 @@ def floor_figures(batches: list[pa.RecordBatch], fresh: FreshBatches) -> list[Fi
     module (its ``build_array`` and ``array_slot`` are the cheapest ways in and out).
 
     Encode: each batch taken apart as the cheapest assembly takes it (``pyarrow_floor``,
-    untimed: a tree of nodes over the buffers of the columns that hold data, and the all-null
-    columns of absent fields); the timed call attaches the step metadata, imports the tree
-    in one call, adds the all-null columns as they are (as the C path's encoder ends) and
-    drops the batch. Decode: full validation and the hand-over of a received batch's
-    buffers (the view, or pyarrow's export where the view is not loaded), a new batch object
-    every call (``fresh``), as our decode gets.
+    untimed: nodes over the buffers of the columns that hold data, and the all-null columns
+    of absent fields); the timed call makes the batch with its step metadata, as the C
+    path's encoder ends (``pyarrow_floor.assemble``), and drops it. Decode: full validation
+    and the hand-over of a received batch's buffers (the view, or pyarrow's export where the
+    view is not loaded), a new batch object every call (``fresh``), as our decode gets.
     """
     try:
         speedups = importlib.import_module("arrow_outputs._speedups")
@@ -375,8 +375,8 @@ def floor_figures(batches: list[pa.RecordBatch], fresh: FreshBatches) -> list[Fi
             return []
         ready.append(split)
 
-    def encode_floor(tree: Any, part: pa.Schema, meta: Any, added: list[Any]) -> pa.RecordBatch:
-        return floor.assemble(tree, part, meta, added, validate=False)
+    def encode_floor(*split: Any) -> pa.RecordBatch:
+        return floor.assemble(*split, validate=False)
 
     def decode_floor(batch: pa.RecordBatch) -> Any:
         batch.validate(full=True)
@@ -856,11 +856,11 @@ def _floor_table(rows: list[Row]) -> list[str]:
         )
     lines = [
         "",
-        "PYARROW FLOOR: what no codec on pyarrow avoids (encode: one C Data Interface import of",
-        "the step's finished buffers that hold data + step metadata + its all-null columns",
-        "added + release; decode: validate(full=True) + the buffers handed over as the C walk",
-        "reads them); best x = pickle / floor,",
-        "the most any codec could reach here; of C = floor / C path time",
+        "PYARROW FLOOR: what no codec on pyarrow avoids (encode: the batch made from the step's",
+        "finished buffers, its step metadata and all-null columns, the cheapest way this",
+        "install has (pyarrow_floor.py) + release; decode: validate(full=True) + the buffers",
+        "handed over as the C walk reads them); best x = pickle / floor, the most any codec",
+        "could reach here; of C = floor / C path time",
         head.rstrip(),
         "-" * len(head),
     ]
