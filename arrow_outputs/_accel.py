@@ -51,6 +51,7 @@ __all__ = [
     "record_batch",
     "same_items",
     "sampled_rows",
+    "schema_address",
     "set_pure_python",
     "split_int_lists",
     "str_list",
@@ -254,6 +255,12 @@ def set_pure_python(flag: bool) -> None:
     record_batch = _pyspeedups.record_batch if flag else _c_record_batch
     decode_batch = None if flag else _c_decode_batch
     _using_c = not flag
+
+
+def schema_address(batch: pa.RecordBatch) -> int | None:
+    """The address of ``batch``'s C++ schema (``_arrowbridge.schema_address``), which the
+    batches of one stream share, on the compiled path with the bridge loaded; else None."""
+    return _bridge.schema_address(batch) if _using_c and _bridge is not None else None
 
 
 def accelerated() -> bool:

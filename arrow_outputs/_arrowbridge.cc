@@ -3,6 +3,7 @@
  *
  * export_into(batch, address) -> bool                                  (decode)
  * assemble(schema, n, columns, metadata) -> RecordBatch | None                (encode)
+ * schema_address(batch) -> int                                          (decode)
  *
  * Decode. The walk (_speedups.decode_batch) reads a batch through the Arrow C Data
  * Interface: an ArrowArray tree that pyarrow fills with RecordBatch._export_to_c. That export
@@ -462,6 +463,19 @@ assemble(PyObject *, PyObject *const *args, Py_ssize_t nargs)
     }
 }
 
+// The address of a batch's C++ schema: batches read from one stream (or made against one
+// schema object) share it, so it keys what is derived from the schema alone.
+PyObject *
+schema_address(PyObject *, PyObject *obj)
+{
+    if (!arrow::py::is_batch(obj)) {
+        PyErr_Format(PyExc_TypeError, "schema_address(): expected a pyarrow.RecordBatch, got %s",
+                     Py_TYPE(obj)->tp_name);
+        return nullptr;
+    }
+    return PyLong_FromVoidPtr((*arrow::py::unwrap_batch(obj))->schema().get());
+}
+
 PyMethodDef methods[] = {
     {"export_into", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(export_into)),
      METH_FASTCALL,
@@ -475,6 +489,9 @@ PyMethodDef methods[] = {
      "schema with metadata (bytes to bytes) as its schema metadata; no copy, checked as "
      "from_buffers and add_column check; None for anything else (the specification, "
      "_pyspeedups.record_batch, then makes it or raises its error)."},
+    {"schema_address", schema_address, METH_O,
+     "schema_address(batch) -> int: the address of the batch's C++ schema, shared by the "
+     "batches of one stream; a key only while that schema is held alive."},
     {nullptr, nullptr, 0, nullptr},
 };
 

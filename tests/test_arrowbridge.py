@@ -285,6 +285,7 @@ def test_decode_reads_through_the_view(monkeypatch: pytest.MonkeyPatch) -> None:
 
     class Spy:
         assemble = staticmethod(real.assemble)
+        schema_address = staticmethod(real.schema_address)
 
         @staticmethod
         def export_into(batch: Any, address: int) -> bool:
@@ -446,3 +447,51 @@ def test_assemble_declines_trees_too_deep() -> None:
         node = (1, 0, (None, np.array([0, 1], np.int32)), (node,))
     schema = pa.schema([("deep", t)])
     assert _accel._bridge.assemble(schema, 1, [node], None) is None
+
+
+# ----------------------------------------------------------------------------- schema_address
+
+
+def _stream(n_batches: int) -> list[tuple[pa.RecordBatch, Any]]:
+    req = ["a", "b"]
+    out = ModelRunnerOutput(req, {"a": 0, "b": 1}, [[1], [2]])
+    first = ao.to_record_batch(out, step=0)
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, ao.run_schema(first)) as writer:
+        for i in range(n_batches):
+            batch = ao.to_record_batch(out, step=i, schema=ao.run_schema(first))
+            writer.write_batch(batch, custom_metadata=ao.step_custom_metadata(batch))
+    reader = pa.ipc.open_stream(sink.getvalue())
+    return [reader.read_next_batch_with_custom_metadata() for _ in range(n_batches)]
+
+
+def test_schema_address_is_shared_by_a_streams_batches_only() -> None:
+    got = _stream(3)
+    addresses = {_accel._bridge.schema_address(b) for b, _ in got}
+    assert len(addresses) == 1
+    other = _stream(1)[0][0]
+    assert _accel._bridge.schema_address(other) not in addresses
+    with pytest.raises(TypeError, match="RecordBatch"):
+        _accel._bridge.schema_address(pa.table({"a": [1]}))
+
+
+def test_a_streams_schema_is_checked_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    from arrow_outputs import batch as batch_module
+
+    checked: list[int] = []
+    real = batch_module.check_format
+    monkeypatch.setattr(batch_module, "check_format", lambda s: checked.append(1) or real(s))
+    was = _accel.accelerated()
+    _accel.set_pure_python(False)
+    try:
+        for b, custom in _stream(5):
+            assert ao.from_record_batch(b, custom_metadata=custom).req_ids == ["a", "b"]
+        assert checked == [1]
+        # A schema of another format is refused every time, never remembered.
+        bad = pa.RecordBatch.from_pydict({"x": [1]})
+        for _ in range(2):
+            with pytest.raises(ao.SchemaMismatchError):
+                ao.from_record_batch(bad)
+        assert checked == [1, 1, 1]
+    finally:
+        _accel.set_pure_python(not was)

@@ -10,6 +10,7 @@ that no hostile batch crashes it.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
 import random
@@ -566,3 +567,24 @@ def test_decode_batch_decodes_afresh_past_a_bad_entry(monkeypatch: pytest.Monkey
     # Small steps keep no entry.
     ao.from_record_batch(ao.to_record_batch(decode_lp(3), step=2))
     assert _accel._known_req_ids is None
+
+
+@pytest.mark.parametrize("make", STEPS, ids=STEP_IDS)
+def test_decode_batch_output_has_every_field_as_its_constructor_sets_it(
+    make: Callable[[], Any],
+) -> None:
+    # The walk's output is made without __init__ (its fields stored at once): the same
+    # fields, in the dataclass's order, as the constructor stores them.
+    out = make()
+    back = ao.from_record_batch(ao.to_record_batch(out, step=3))
+    assert type(back) is ModelRunnerOutput
+    names = [f.name for f in dataclasses.fields(ModelRunnerOutput)]
+    assert list(vars(back)) == names
+    rebuilt = ModelRunnerOutput(**vars(back))
+    assert list(vars(rebuilt)) == names
+    ao.assert_outputs_equal(back, rebuilt)
+    # Fresh containers per output, never shared between outputs.
+    again = ao.from_record_batch(ao.to_record_batch(out, step=3))
+    assert again.prompt_logprobs_dict == {}
+    assert again.prompt_logprobs_dict is not back.prompt_logprobs_dict
+    assert again.prompt_token_id_logprobs_dict is not back.prompt_token_id_logprobs_dict
