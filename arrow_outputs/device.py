@@ -214,9 +214,12 @@ class StagingPool:
         self._pin = pin
         self._free: list[_Slab] = []  # slabs not leased
         self._count = 0  # slabs held, leased or free
-        # A plain lock under the condition: `with self._lock` costs less than the
-        # condition's Python-level __enter__, and notify() runs only while someone waits.
-        self._lock = threading.Lock()
+        # A lock under the condition: `with self._lock` costs less than the condition's
+        # Python-level __enter__, and notify() runs only while someone waits. Re-entrant: a
+        # lease can end on this thread while the lock is held (the cycle collector runs at
+        # any allocation, and a batch it frees returns its slab from _Lease.__del__), and
+        # _release then only appends to _free, which _acquire indexes from the front.
+        self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
         self._waiting = 0  # stagings blocked in _acquire now
         self._allocations = self._reuses = self._bytes = self._waits = 0

@@ -234,3 +234,35 @@ def test_staged_arrays_keep_the_slab_leased() -> None:
     del ids
     gc.collect()
     assert pool.free_slabs() == 1
+
+
+def test_staging_pool_lease_ending_inside_acquire_does_not_deadlock() -> None:
+    # The cycle collector can free a batch (and so end its slab's lease) at any allocation,
+    # including the ones _acquire makes while it holds the pool's lock.
+    from arrow_outputs import device
+
+    pool = StagingPool(max_slabs=4, min_slab_bytes=64, pin=False)
+    leased = pool._acquire(64, 0)
+    holder = [device._Lease(pool, leased)]
+
+    class Trap(device._Slab):
+        """A free slab whose size, read under the lock, drops the last lease."""
+
+        __slots__ = ()
+
+        def __getattribute__(self, name: str) -> Any:
+            if name == "nbytes":
+                holder.clear()
+            return object.__getattribute__(self, name)
+
+    with pool._lock:  # two free slabs: _acquire reads every free slab's size
+        for _ in range(2):
+            pool._free.append(Trap(torch.empty(32, dtype=torch.uint8)))
+            pool._count += 1
+    got: list[Any] = []
+    thread = threading.Thread(target=lambda: got.append(pool._acquire(64, 0)), daemon=True)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive(), "deadlocked"
+    assert got[0] is leased  # the slab its lease gave back while _acquire held the lock
+    assert holder == []
