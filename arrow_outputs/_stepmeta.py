@@ -200,6 +200,16 @@ def parse(raw: Any, path: str, spec: dict[str, Check]) -> dict[str, Any]:
     The result's nested values may be shared with other results: read them, never change
     them (copy first).
     """
+    return parse_shared(raw, path, spec)[0]
+
+
+def parse_shared(
+    raw: Any, path: str, spec: dict[str, Check]
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """:func:`parse`, and the checked tail its result was copied from when it reused one
+    (None after a full parse): results that share a tail share all their values but the
+    step and row count, so what depends on those values alone can be cached by the tail
+    (held, so that its id is not another's)."""
     head = _HEAD.fullmatch(raw) if type(raw) is bytes else None
     if head is not None:
         known = _TAILS.get((id(spec), head[3]))
@@ -211,7 +221,7 @@ def parse(raw: Any, path: str, spec: dict[str, Check]) -> dict[str, Any]:
             if (step is None or INT64[0] <= step <= INT64[1]) and rows <= INT32_MAX:
                 out = known[1].copy()
                 out["step"], out["rows"] = step, rows
-                return out
+                return out, known[1]
     out = _parse(raw, path, spec)
     if head is not None and len(head[3]) <= 4096:
         # Reusable only when the rest holds neither key again (a duplicate key would win
@@ -224,7 +234,7 @@ def parse(raw: Any, path: str, spec: dict[str, Check]) -> dict[str, Any]:
             if len(_TAILS) >= 64:
                 _TAILS.clear()
             _TAILS[id(spec), head[3]] = (spec, out.copy())
-    return out
+    return out, None
 
 
 def _parse(raw: Any, path: str, spec: dict[str, Check]) -> dict[str, Any]:

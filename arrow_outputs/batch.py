@@ -1267,7 +1267,7 @@ def step_metadata(
         :class:`StepMetadataError` that says how to read it. ``"defaults"``: its step
         metadata is read off the columns instead (``docs/schema.md`` lists the defaults).
     """
-    meta, _ = _resolve(batch, custom_metadata, missing_step_metadata)
+    meta, _, _ = _resolve(batch, custom_metadata, missing_step_metadata)
     # A copy: parsed step JSON shares its nested values with the parse cache (_stepmeta).
     return copy.deepcopy(meta)
 
@@ -1278,8 +1278,9 @@ def _resolve(
     missing: str,
     schema_meta: dict[bytes, bytes] | None = None,
     made: bool = False,
-) -> tuple[dict[str, Any], bool]:
-    """(checked step JSON, whether a head slice of its step may be decoded).
+) -> tuple[dict[str, Any], bool, dict[str, Any] | None]:
+    """(checked step JSON, whether a head slice of its step may be decoded, the shared tail
+    it was copied from or None: ``_stepmeta.parse_shared``).
 
     ``schema_meta``: the batch's schema metadata, read and format-checked by the caller;
     None: read and checked here. ``made``: the caller found ``batch`` registered by
@@ -1296,12 +1297,14 @@ def _resolve(
     raw = _custom_raw(custom_metadata)
     if raw is not None:
         # IPC custom metadata belongs to its message: trusted as this batch's.
-        return _stepmeta.parse(raw, _CUSTOM_PATH, _SPEC), False
+        meta, tail = _stepmeta.parse_shared(raw, _CUSTOM_PATH, _SPEC)
+        return meta, False, tail
     raw = schema_meta.get(KEY_STEP)
     if raw is not None and (made or _owned(batch, raw)):
-        return _stepmeta.parse(raw, _SCHEMA_PATH, _SPEC), True
+        meta, tail = _stepmeta.parse_shared(raw, _SCHEMA_PATH, _SPEC)
+        return meta, True, tail
     if missing == "defaults":
-        return _default_meta(batch), False
+        return _default_meta(batch), False, None
     if raw is not None:
         raise _inherited_error()
     raise StepMetadataError(
@@ -1474,6 +1477,8 @@ _ABSENT_FRESH = tuple(
 # __init__ (object.__new__ and this whole dict as its __dict__: a fifth of the cost).
 _OUTPUT_FIELDS: dict[str, Any] = {f.name: None for f in dataclasses.fields(ModelRunnerOutput)}
 _new_object = object.__new__
+# A NamedTuple made from all its fields at once (LogprobsLists: what its __new__ makes).
+_new_tuple = tuple.__new__
 
 
 class _FastPlan(NamedTuple):
@@ -1493,7 +1498,23 @@ class _FastPlan(NamedTuple):
 _PLANS: dict[tuple[int, ...], tuple[tuple[Any, ...], ColumnTypes, _FastPlan | None]] = {}
 
 
-def _fast_plan(meta: dict[str, Any], types: ColumnTypes) -> _FastPlan | None:
+# The same plans by (types, the shared tail the step JSON was copied from: parse_shared),
+# which holds every layout a plan reads: one lookup of two ids instead of a dozen.
+_TAIL_PLANS: dict[tuple[int, int], tuple[dict[str, Any], ColumnTypes, _FastPlan | None]] = {}
+
+
+def _fast_plan(
+    meta: dict[str, Any], types: ColumnTypes, tail: dict[str, Any] | None = None
+) -> _FastPlan | None:
+    if tail is not None:
+        by_tail = _TAIL_PLANS.get((id(types), id(tail)))
+        if by_tail is not None and by_tail[0] is tail and by_tail[1] is types:
+            return by_tail[2]
+        plan = _fast_plan(meta, types)
+        if len(_TAIL_PLANS) >= 64:
+            _TAIL_PLANS.clear()
+        _TAIL_PLANS[id(types), id(tail)] = (tail, types, plan)
+        return plan
     layouts = _LAYOUTS_OF(meta)
     key = (id(types), *map(id, layouts))
     hit = _PLANS.get(key)
@@ -1557,7 +1578,11 @@ def _make_plan(meta: dict[str, Any], types: ColumnTypes) -> _FastPlan | None:
 
 
 def _decode_fast(
-    batch: pa.RecordBatch, meta: dict[str, Any], types: ColumnTypes, validated: bool
+    batch: pa.RecordBatch,
+    meta: dict[str, Any],
+    types: ColumnTypes,
+    validated: bool,
+    tail: dict[str, Any] | None = None,
 ) -> tuple[list[str], dict[str, int], dict[str, Any]] | None:
     """:func:`_decode_columns` in one C walk over the batch's exported ArrowArray tree, for the
     steps vLLM makes every step (sampled ids, logprobs lists, sampling masks, the rest
@@ -1568,7 +1593,7 @@ def _decode_fast(
     n = batch.num_rows
     if not n or meta["rows"] != n:
         return None  # an empty step or a slice: the column decoders' cases
-    plan = _fast_plan(meta, types)
+    plan = _fast_plan(meta, types, tail)
     if plan is None:
         return None
     if not validated:
@@ -1592,11 +1617,14 @@ def _decode_fast(
         # Each region holds exactly its array's bytes (num x w values, num ranks): arrays
         # made straight over them, half the cost of frombuffer + reshape.
         r_ids, r_lps, r_ranks, num, w, cu_list = lp_parts
-        fields["logprobs"] = LogprobsLists(
-            np.ndarray((num, w), plan.id_dtype, r_ids),
-            np.ndarray((num, w), _F32, r_lps),
-            np.ndarray((num,), plan.rank_dtype, r_ranks),
-            cu_list,
+        fields["logprobs"] = _new_tuple(
+            LogprobsLists,
+            (
+                np.ndarray((num, w), plan.id_dtype, r_ids),
+                np.ndarray((num, w), _F32, r_lps),
+                np.ndarray((num,), plan.rank_dtype, r_ranks),
+                cu_list,
+            ),
         )
     if mask_parts is not None:
         r_tok, r_csr, cu_list = mask_parts
@@ -1702,7 +1730,7 @@ def decode_checked(
         # was first used) with this step key, so its format and types are the run's.
         raw, types = known
         schema_meta = {KEY_STEP: raw}
-    meta, head_slice_ok = _resolve(
+    meta, head_slice_ok, tail = _resolve(
         batch, custom_metadata, missing_step_metadata, schema_meta, made=known is not None
     )
     allowed = allow_list(classes)
@@ -1711,7 +1739,7 @@ def decode_checked(
     if validate and not validated:
         _validate_full(batch)
     validated = validated or validate
-    fast = _decode_fast(batch, meta, types, validated) if _accel.decode_batch else None
+    fast = _decode_fast(batch, meta, types, validated, tail) if _accel.decode_batch else None
     if fast is not None:
         req_ids, req_id_to_index, fields = fast
     else:

@@ -210,9 +210,11 @@ def _validation_spy(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[Any]]:
         seen["full"].append(batch)
         full(batch)
 
-    def recorded_walk(batch: pa.RecordBatch, meta: Any, types: Any, validated: bool) -> Any:
+    def recorded_walk(
+        batch: pa.RecordBatch, meta: Any, types: Any, validated: bool, *rest: Any
+    ) -> Any:
         seen["walk"].append(validated)
-        return walk(batch, meta, types, validated)
+        return walk(batch, meta, types, validated, *rest)
 
     monkeypatch.setattr(codec, "_validate_full", counted_full)
     monkeypatch.setattr(codec, "_decode_fast", recorded_walk)

@@ -588,3 +588,23 @@ def test_decode_batch_output_has_every_field_as_its_constructor_sets_it(
     assert again.prompt_logprobs_dict == {}
     assert again.prompt_logprobs_dict is not back.prompt_logprobs_dict
     assert again.prompt_token_id_logprobs_dict is not back.prompt_token_id_logprobs_dict
+
+
+def test_plan_by_shared_tail_is_the_plan_by_layouts() -> None:
+    from arrow_outputs import _stepmeta
+    from arrow_outputs.schema import check_format
+
+    batch = ao.to_record_batch(spec_lp(4, 2), step=1)
+    raw = batch.schema.metadata[b"arrow_outputs.step"]
+    path, spec = batch_module._CUSTOM_PATH, batch_module._SPEC
+    _stepmeta.parse_shared(raw, path, spec)  # the first parse may be the full one
+    meta, tail = _stepmeta.parse_shared(raw.replace(b'"step":1', b'"step":2'), path, spec)
+    assert tail is not None
+    assert meta["step"] == 2
+    assert all(meta[k] is tail[k] for k in tail if k not in ("step", "rows"))
+    schema = batch.schema
+    types = batch_module._decode_types(schema, check_format(schema))
+    by_layouts = batch_module._fast_plan(meta, types)
+    assert by_layouts is not None
+    assert batch_module._fast_plan(meta, types, tail) == by_layouts
+    assert batch_module._fast_plan(meta, types, tail) is batch_module._fast_plan(meta, types, tail)
