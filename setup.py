@@ -56,7 +56,10 @@ def _arrow_view() -> list[Extension]:
                 "-isystem",
                 pyarrow.get_include(),
             ],
-            extra_link_args=[*libraries, f"-Wl,-rpath,{directory}"],
+            # No rpath: the module loads only into a process whose pyarrow has already
+            # loaded these very libraries (arrow_outputs._accel imports pyarrow first), never
+            # a second copy from wherever it was built.
+            extra_link_args=libraries,
         )
     ]
 

@@ -512,15 +512,33 @@ PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__arrowbridge(void)
 {
-    // Only the libarrow this was compiled against: its ArrayData layout is what fill reads.
-    const std::string &running = arrow::GetBuildInfo().version_string;
-    if (running != ARROW_VERSION_STRING) {
-        PyErr_Format(PyExc_ImportError,
-                     "arrow_outputs._arrowbridge was built against Arrow %s, and Arrow %s is "
-                     "loaded; reinstall arrow-outputs to rebuild it",
-                     ARROW_VERSION_STRING, running.c_str());
+    // Only the Arrow this was compiled against, both as linked (its ArrayData layout is what
+    // fill reads) and as the pyarrow module in use (whose objects it unwraps): a library
+    // found elsewhere by its versioned name cannot stand in for the one pyarrow loaded.
+    const std::string &linked = arrow::GetBuildInfo().version_string;
+    PyObject *pyarrow = PyImport_ImportModule("pyarrow");
+    if (pyarrow == nullptr) {
         return nullptr;
     }
+    PyObject *version = PyObject_GetAttrString(pyarrow, "cpp_version");
+    Py_DECREF(pyarrow);
+    if (version == nullptr) {
+        return nullptr;
+    }
+    const char *in_use = PyUnicode_Check(version) ? PyUnicode_AsUTF8(version) : nullptr;
+    const bool same = in_use != nullptr && linked == ARROW_VERSION_STRING &&
+                      std::strcmp(in_use, ARROW_VERSION_STRING) == 0;
+    if (!same) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ImportError,
+                     "arrow_outputs._arrowbridge was built against Arrow %s, and pyarrow's "
+                     "Arrow is %s (linked: %s); reinstall arrow-outputs to rebuild it",
+                     ARROW_VERSION_STRING, in_use == nullptr ? "unknown" : in_use,
+                     linked.c_str());
+        Py_DECREF(version);
+        return nullptr;
+    }
+    Py_DECREF(version);
     if (arrow::py::import_pyarrow() != 0) {
         return nullptr;
     }

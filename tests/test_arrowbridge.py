@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import subprocess
 import sys
 import threading
 import weakref
@@ -495,3 +496,25 @@ def test_a_streams_schema_is_checked_once(monkeypatch: pytest.MonkeyPatch) -> No
         assert checked == [1, 1, 1]
     finally:
         _accel.set_pure_python(not was)
+
+
+def test_refuses_to_load_under_another_arrow_and_the_codec_runs_without_it() -> None:
+    # A module built against one Arrow must not unwrap another's objects: it refuses to
+    # import, and the C path's crossings go through the C Data Interface instead.
+    script = """
+import numpy as np, pyarrow
+pyarrow.cpp_version = "0.0.1"  # as if pyarrow had changed version after the build
+import arrow_outputs as ao
+from arrow_outputs import _accel
+assert _accel._bridge is None and _accel.accelerated(), _accel.BRIDGE_UNAVAILABLE
+print(_accel.BRIDGE_UNAVAILABLE)
+lp = ao.LogprobsLists(np.arange(8).reshape(2, 4), np.zeros((2, 4), np.float32), np.ones(2, int))
+out = ao.ModelRunnerOutput(["a", "b"], {"a": 0, "b": 1}, [[1], [2]], lp)
+ao.assert_outputs_equal(ao.from_record_batch(ao.to_record_batch(out, step=1)), out)
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"built against Arrow {_accel._bridge.ARROW_VERSION}" in done.stdout
+    assert "pyarrow's Arrow is 0.0.1" in done.stdout
