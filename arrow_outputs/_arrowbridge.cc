@@ -146,10 +146,13 @@ void
 release_root(ArrowArray *a)
 {
     Block *block = static_cast<Block *>(a->private_data);
-    // The interface lets a consumer release from any thread.
-    PyGILState_STATE gil = PyGILState_Ensure();
-    Py_DECREF(block->batch);
-    PyGILState_Release(gil);
+    // The interface lets a consumer release from any thread. At interpreter exit the batch
+    // is gone with the interpreter: leave it (as _speedups' trees do).
+    if (Py_IsInitialized()) {
+        PyGILState_STATE gil = PyGILState_Ensure();
+        Py_DECREF(block->batch);
+        PyGILState_Release(gil);
+    }
     PyMem_RawFree(block);
     a->release = nullptr;
 }
@@ -288,9 +291,11 @@ class HeldBuffer : public arrow::Buffer {
     }
     ~HeldBuffer() override
     {
-        PyGILState_STATE gil = PyGILState_Ensure();
-        PyBuffer_Release(&view_);
-        PyGILState_Release(gil);
+        if (Py_IsInitialized()) {  // at interpreter exit the object is gone with it
+            PyGILState_STATE gil = PyGILState_Ensure();
+            PyBuffer_Release(&view_);
+            PyGILState_Release(gil);
+        }
     }
 
   private:

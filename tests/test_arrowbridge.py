@@ -415,6 +415,26 @@ def test_assemble_declines_buffers_too_small_for_their_lengths() -> None:
     past_data = _columns(values)
     past_data[2] = (4, 0, (None, np.array([0, 1, 2, 3, 99], np.int32), b"xxxx"), ())
     _declined(past_data)
+    # Inside a list: a child's values short of its length, nulls claimed without a bitmap.
+    lists = pa.schema([("l", pa.list_(pa.int64()))])
+    offsets = np.array([0, 4, 8], np.int32)
+    assert (
+        _accel._bridge.assemble(
+            lists, 2, [(2, 0, (None, offsets), ((8, 0, (None, values), ()),))], None
+        )
+        is None
+    )
+    offsets = np.array([0, 2, 4], np.int32)
+    assert (
+        _accel._bridge.assemble(
+            lists, 2, [(2, 1, (None, offsets), ((4, 0, (None, values), ()),))], None
+        )
+        is None
+    )
+    made = _accel._bridge.assemble(
+        lists, 2, [(2, 0, (None, offsets), ((4, 0, (None, values), ()),))], None
+    )
+    assert made.column(0).to_pylist() == [[0, 1], [2, 3]]
     unordered = _columns(values)
     unordered[2] = (4, 0, (None, np.array([0, 3, 2, 3, 4], np.int32), b"xxxx"), ())
     # Offsets out of order are full validation's (as for from_buffers): made, then refused.
