@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import os
 import subprocess
 import sys
 import threading
@@ -532,8 +533,14 @@ lp = ao.LogprobsLists(np.arange(8).reshape(2, 4), np.zeros((2, 4), np.float32), 
 out = ao.ModelRunnerOutput(["a", "b"], {"a": 0, "b": 1}, [[1], [2]], lp)
 ao.assert_outputs_equal(ao.from_record_batch(ao.to_record_batch(out, step=1)), out)
 """
+    env = {k: v for k, v in os.environ.items() if k != "ARROW_OUTPUTS_PURE_PYTHON"}
     done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env=env,
     )
     assert done.returncode == 0, done.stderr
     assert f"built against Arrow {_accel._bridge.ARROW_VERSION}" in done.stdout
