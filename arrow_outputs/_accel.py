@@ -73,10 +73,12 @@ except ModuleNotFoundError as e:
 #: Whether the compiled module was built and imported (whichever path is in use now).
 AVAILABLE: bool = _compiled is not None
 
-# The decode walk's reader of a batch's buffers without pyarrow's export (``_arrowbridge``,
-# C++ against the pyarrow it was built with). Unlike ``_speedups`` it may fail to load in a
-# sound install: upgrading pyarrow after installing arrow-outputs makes it refuse to load
-# (or its library go missing), and the walk then reads pyarrow's export, with the same result.
+# The C path's crossings into pyarrow done in Arrow's C++ library (``_arrowbridge``, C++
+# against the pyarrow it was built with): the encode's batch made from its nodes, the decode
+# walk's tree filled from a batch's buffers, a batch's schema identity. Unlike ``_speedups``
+# it may fail to load in a sound install: upgrading pyarrow after installing arrow-outputs
+# makes it refuse to load (or its library go missing), and the C path then crosses through
+# pyarrow's own import and export, with the same results.
 _bridge: ModuleType | None
 try:
     import arrow_outputs._arrowbridge as _bridge
