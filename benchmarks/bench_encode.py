@@ -355,19 +355,14 @@ def floor_figures(batches: list[pa.RecordBatch], fresh: FreshBatches) -> list[Fi
     untimed: nodes over the buffers of the columns that hold data, and the all-null columns
     of absent fields); the timed call makes the batch with its step metadata, as the C
     path's encoder ends (``pyarrow_floor.assemble``), and drops it. Decode: full validation
-    and the hand-over of a received batch's buffers (the view, or pyarrow's export where the
-    view is not loaded), a new batch object every call (``fresh``), as our decode gets.
+    and the hand-over of a received batch's buffers (``pyarrow_floor.hand_over``: the view,
+    or pyarrow's export where the view is not loaded), a new batch object every call
+    (``fresh``), as our decode gets.
     """
-    try:
-        speedups = importlib.import_module("arrow_outputs._speedups")
+    try:  # it needs the C module
         floor = importlib.import_module("pyarrow_floor")  # a sibling script, not a package
     except ImportError:
         return []
-    array_slot = speedups.array_slot
-    try:
-        export_into = importlib.import_module("arrow_outputs._arrowbridge").export_into
-    except ImportError:
-        export_into = None
     ready = []
     for b in batches:
         split = floor.split_for_floor(b)
@@ -380,10 +375,7 @@ def floor_figures(batches: list[pa.RecordBatch], fresh: FreshBatches) -> list[Fi
 
     def decode_floor(batch: pa.RecordBatch) -> Any:
         batch.validate(full=True)
-        capsule, address = array_slot()
-        if export_into is None or not export_into(batch, address):
-            batch._export_to_c(address)
-        return capsule  # released (with the exported tree) when dropped
+        return floor.hand_over(batch)  # released (with its tree) when dropped
 
     for split, b in zip(ready, batches):  # the floor makes the very batch it times
         if not encode_floor(*split).equals(b):

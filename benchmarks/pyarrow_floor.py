@@ -16,12 +16,13 @@ from typing import Any
 import pyarrow as pa
 
 from arrow_outputs._pyspeedups import node_of
-from arrow_outputs._speedups import build_array  # the floors need the C module
+from arrow_outputs._speedups import array_slot, build_array  # the floors need the C module
 
 try:
     from arrow_outputs._arrowbridge import assemble as bridge_assemble
+    from arrow_outputs._arrowbridge import export_into
 except ImportError:  # not built, or built against another pyarrow
-    bridge_assemble = None
+    bridge_assemble = export_into = None
 
 _import_from_c = pa.RecordBatch._import_from_c
 
@@ -73,3 +74,13 @@ def assemble(
     for at, field, column in added:
         batch = batch.add_column(at, field, column)
     return batch
+
+
+def hand_over(batch: pa.RecordBatch) -> Any:
+    """A received batch's buffers handed over once as the C decode walk reads them: the
+    bridge's view where it is loaded and takes the layout, else pyarrow's export. Returns
+    the capsule that releases the tree when dropped."""
+    capsule, address = array_slot()
+    if export_into is None or not export_into(batch, address):
+        batch._export_to_c(address)
+    return capsule
