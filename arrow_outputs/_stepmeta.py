@@ -192,6 +192,11 @@ _HEAD = re.compile(
 )
 # (id(spec), rest) -> (spec, checked result): the spec is kept so that an id is never reused.
 _TAILS: dict[tuple[int, bytes], tuple[dict[str, Check], dict[str, Any]]] = {}
+# The head alone, read in place before a tail known to be the last one used.
+_HEAD_ONLY = re.compile(rb'\{"step":(null|-?(?:0|[1-9][0-9]{0,18})),"rows":(0|[1-9][0-9]{0,9}),')
+# (spec, the last tail used and the closing "}", its checked result): one tuple, replaced
+# whole, so threads at worst miss it.
+_LAST_TAIL: tuple[dict[str, Check], bytes, dict[str, Any]] | None = None
 
 
 def parse(raw: Any, path: str, spec: dict[str, Check]) -> dict[str, Any]:
@@ -210,17 +215,24 @@ def parse_shared(
     (None after a full parse): results that share a tail share all their values but the
     step and row count, so what depends on those values alone can be cached by the tail
     (held, so that its id is not another's)."""
-    head = _HEAD.fullmatch(raw) if type(raw) is bytes else None
+    if type(raw) is not bytes:
+        return _parse(raw, path, spec), None
+    last = _LAST_TAIL
+    if last is not None and last[0] is spec and raw.endswith(last[1]):
+        # The last tail again (a run's steps, one after another): only the head to read, in
+        # place (no copy of the tail, no hash of it).
+        got = _HEAD_ONLY.fullmatch(raw, 0, len(raw) - len(last[1]))
+        if got is not None:
+            out = _with_head(last[2], got[1], got[2])
+            if out is not None:
+                return out, last[2]
+    head = _HEAD.fullmatch(raw)
     if head is not None:
         known = _TAILS.get((id(spec), head[3]))
         if known is not None and known[0] is spec:
-            step = None if head[1] == b"null" else int(head[1])
-            rows = int(head[2])
-            # The bounds of step_spec's "step" and "rows" checks; outside them, the full parse
-            # raises its error.
-            if (step is None or INT64[0] <= step <= INT64[1]) and rows <= INT32_MAX:
-                out = known[1].copy()
-                out["step"], out["rows"] = step, rows
+            out = _with_head(known[1], head[1], head[2])
+            if out is not None:
+                _remember_last(spec, head[3], known[1])
                 return out, known[1]
     out = _parse(raw, path, spec)
     if head is not None and len(head[3]) <= 4096:
@@ -235,6 +247,23 @@ def parse_shared(
                 _TAILS.clear()
             _TAILS[id(spec), head[3]] = (spec, out.copy())
     return out, None
+
+
+def _with_head(tail: dict[str, Any], step_text: bytes, rows_text: bytes) -> dict[str, Any] | None:
+    """A copy of a checked tail with the head's step and row count; None outside the bounds
+    of step_spec's "step" and "rows" checks (the full parse then raises its error)."""
+    step = None if step_text == b"null" else int(step_text)
+    rows = int(rows_text)
+    if (step is None or INT64[0] <= step <= INT64[1]) and rows <= INT32_MAX:
+        out = tail.copy()
+        out["step"], out["rows"] = step, rows
+        return out
+    return None
+
+
+def _remember_last(spec: dict[str, Check], rest: bytes, tail: dict[str, Any]) -> None:
+    global _LAST_TAIL
+    _LAST_TAIL = (spec, rest + b"}", tail)
 
 
 def _parse(raw: Any, path: str, spec: dict[str, Check]) -> dict[str, Any]:
@@ -288,29 +317,29 @@ def shared_layout(**items: Any) -> dict[str, Any]:
 # step column buffer address -> (weak reference to its int64 array, size, step JSON). No
 # callback (it would cost every batch's release): an entry whose array is gone never matches,
 # a new array at the same address replaces it, and a full table drops its dead entries
-# (_Table.put).
+# (_Table.prune).
 class _Table(dict[int, tuple[Any, ...]]):
     """Entries whose first item is a weak reference. When it reaches its limit it drops the
     dead ones and never a live one; the limit then becomes twice the live entries (at least
     ``floor``), so pruning costs O(1) per entry added however many stay alive. Entries are
-    added under a lock (a prune must not lose another thread's new entry); a lookup is one
-    ``dict.get``, atomic under the GIL."""
+    added under ``_TABLES_LOCK`` (a prune must not lose another thread's new entry); a lookup
+    is one ``dict.get``, atomic under the GIL."""
 
     def __init__(self, floor: int) -> None:
         super().__init__()
         self.floor = self.limit = floor
-        self.lock = threading.Lock()
 
-    def put(self, key: int, entry: tuple[Any, ...]) -> None:
-        with self.lock:
-            if len(self) >= self.limit:
-                live = [(k, v) for k, v in list(self.items()) if v[0]() is not None]
-                self.clear()
-                self.update(live)
-                self.limit = max(self.floor, 2 * len(live))
-            self[key] = entry
+    def prune(self) -> None:
+        """Drop the dead entries (at the limit, before an entry is added); the caller holds
+        ``_TABLES_LOCK``."""
+        live = [(k, v) for k, v in list(self.items()) if v[0]() is not None]
+        self.clear()
+        self.update(live)
+        self.limit = max(self.floor, 2 * len(live))
 
 
+# One lock for both tables: a batch is registered in both at once (one acquire a step).
+_TABLES_LOCK = threading.Lock()
 _OWNED = _Table(1024)
 
 
@@ -328,8 +357,15 @@ def register(
     as ``to_record_batch`` returns it (a whole step), was made with it. ``known``: what its
     maker knew of its schema (the run's column types), handed back by :func:`made_with`."""
     address, count = values.buffer_info()  # its memory's address, without a buffer object
-    _OWNED.put(address, (weakref.ref(values), count * values.itemsize, raw))
-    _BATCHES.put(id(batch), (weakref.ref(batch), raw, known))
+    owned = (weakref.ref(values), count * values.itemsize, raw)
+    made = (weakref.ref(batch), raw, known)
+    with _TABLES_LOCK:
+        if len(_OWNED) >= _OWNED.limit:
+            _OWNED.prune()
+        _OWNED[address] = owned
+        if len(_BATCHES) >= _BATCHES.limit:
+            _BATCHES.prune()
+        _BATCHES[id(batch)] = made
 
 
 def made_with(batch: pa.RecordBatch) -> tuple[bytes, Any] | None:

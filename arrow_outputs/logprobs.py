@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from . import _accel
 from ._checks import (
     arange_offsets,
     check_dtype,
@@ -174,6 +175,96 @@ def _positions(
     )
 
 
+# What the checks of encode_logprobs proved of a host LogprobsLists' arrays, by everything they
+# depend on: (ids.dtype, lps.dtype, ranks.dtype, ids.shape, lps.shape, ranks.shape, their
+# strides, id_type, rank_type, whether cu_num_generated_tokens is None) -> (width, the
+# inner offsets, the outer offsets or None, the shared layout). Steps repeat shapes.
+_HOST_LISTS: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+
+
+def _host_lists_node(
+    x: Any, id_type: str, rank_type: str, num_rows: int | None
+) -> tuple[Any, dict[str, Any]] | None:
+    """``encode_logprobs(x, as_node=True, ...)`` for what vLLM's host ``LogprobsLists`` holds
+    every decode step (C-contiguous numpy arrays of the run's dtypes, offsets None or a
+    list), as the same node and layout; None for anything else, before anything is refused:
+    the checks then run and raise their precise errors."""
+    ids = getattr(x, "logprob_token_ids", None)
+    lps = getattr(x, "logprobs", None)
+    ranks = getattr(x, "sampled_token_ranks", None)
+    if type(ids) is not np.ndarray or type(lps) is not np.ndarray or type(ranks) is not np.ndarray:
+        return None
+    cu = getattr(x, "cu_num_generated_tokens", False)
+    if cu is not None and type(cu) is not list:
+        return None
+    key = (
+        ids.dtype, lps.dtype, ranks.dtype, ids.shape, lps.shape, ranks.shape,
+        ids.strides, lps.strides, ranks.strides, id_type, rank_type, cu is None,
+    )  # fmt: skip
+    known = _HOST_LISTS.get(key)
+    if known is None:
+        known = _host_lists_layout(x, ids, lps, ranks, id_type, rank_type, cu is None)
+        if known is None:
+            return None
+        if len(_HOST_LISTS) >= 64:
+            _HOST_LISTS.clear()
+        _HOST_LISTS[key] = known
+    num_pos, inner, outer, layout = known
+    if outer is None:
+        outer = _accel.int_offsets(cu, num_pos)  # int32 offsets as bytes, or None
+        if outer is None:
+            return None
+    n = len(outer) // 4 - 1 if type(outer) is bytes else len(outer) - 1
+    if num_rows is not None and n != num_rows:
+        return None
+    size = ids.size
+    struct_node = (
+        num_pos,
+        0,
+        (None,),
+        (
+            (num_pos, 0, (None, inner), ((size, 0, (None, ids), ()),)),
+            (num_pos, 0, (None, inner), ((size, 0, (None, lps), ()),)),
+            (num_pos, 0, (None, ranks), ()),
+        ),
+    )
+    return (n, 0, (None, outer), (struct_node,)), layout
+
+
+def _host_lists_layout(
+    x: Any,
+    ids: np.ndarray,
+    lps: np.ndarray,
+    ranks: np.ndarray,
+    id_type: str,
+    rank_type: str,
+    cu_none: bool,
+) -> tuple[Any, ...] | None:
+    """What ``_host_lists_node`` reuses for arrays of this kind, when ``_matrices``' fast path
+    takes them as they are (C-contiguous); else None."""
+    try:
+        kind, got_ids, got_lps, got_ranks = _matrices(x, "logprobs", id_type, rank_type)
+    except Exception:  # the full path raises it again, with its caller's field name
+        return None
+    same = got_ids is ids and got_lps is lps and got_ranks is ranks  # no conversion
+    if (
+        kind != "lists"
+        or not same
+        or not (ids.flags.c_contiguous and lps.flags.c_contiguous and ranks.flags.c_contiguous)
+    ):
+        return None
+    num_pos, width = ids.shape
+    inner = arange_offsets(num_pos, width)
+    if cu_none:
+        return (
+            num_pos,
+            inner,
+            arange_offsets(num_pos),
+            shared_layout(kind="lists", cu="none", width=int(width)),
+        )
+    return num_pos, inner, None, shared_layout(kind="lists", cu="list", width=int(width))
+
+
 def encode_logprobs(
     x: Any,
     field: str = "logprobs",
@@ -189,6 +280,10 @@ def encode_logprobs(
     (:func:`arrow_outputs._pyspeedups.record_batch`) instead of an array; only with both
     ``id_type`` and ``rank_type`` given, since a node's type is its field's in the run schema.
     """
+    if as_node and id_type is not None and rank_type is not None:
+        fast = _host_lists_node(x, id_type, rank_type, num_rows)
+        if fast is not None:
+            return fast
     kind, ids, lps, ranks = _matrices(x, field, id_type, rank_type)
     num_pos, width = ids.shape
     cu = x.cu_num_generated_tokens

@@ -17,7 +17,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from . import _accel
 from ._checks import (
+    INT32_MAX,
     arange_offsets,
     check_dtype,
     check_monotonic,
@@ -37,6 +39,60 @@ __all__ = ["SAMPLING_MASK_TYPE", "sampling_masks_from_arrow", "sampling_masks_to
 SAMPLING_MASK_TYPE = pa.list_(pa.large_list(pa.int32()))
 
 
+_INT32 = np.dtype(np.int32)
+_INT64 = np.dtype(np.int64)
+# shared_layout's objects for the four layouts, by (offsets given, cu given).
+_MASK_LAYOUTS = {
+    (offsets, cu): shared_layout(offsets=offsets, cu=cu)
+    for offsets in (False, True)
+    for cu in (False, True)
+}
+
+
+def _host_masks_node(m: Any, num_rows: int | None) -> tuple[Any, dict[str, Any]] | None:
+    """``encode_sampling_masks(m, as_node=True, ...)`` for what vLLM's host
+    ``SamplingMaskLists`` holds (C-contiguous numpy arrays: int32 ids, int64 CSR offsets or
+    None; cu a list or None), as the same node and layout; None for anything else, before
+    anything is refused: the checks then run and raise their precise errors."""
+    token_ids = getattr(m, "token_ids", None)
+    offsets = getattr(m, "offsets", False)
+    cu = getattr(m, "cu_num_generated_tokens", False)
+    if (
+        type(token_ids) is not np.ndarray
+        or token_ids.dtype != _INT32
+        or token_ids.ndim != 1
+        or not token_ids.flags.c_contiguous
+        or not (cu is None or type(cu) is list)
+    ):
+        return None
+    num_ids = len(token_ids)
+    if offsets is None:
+        csr = np.array([0, num_ids], dtype=np.int64)  # one position holds every id
+    elif (
+        type(offsets) is np.ndarray
+        and offsets.dtype == _INT64
+        and num_ids <= INT32_MAX
+        and _accel.offsets_ok(offsets, num_ids)  # 1-D, C-contiguous, 0 .. num_ids, sorted
+    ):
+        csr = offsets
+    else:
+        return None
+    num_pos = len(csr) - 1
+    if cu is None:
+        outer: Any = arange_offsets(num_pos)
+        n = num_pos
+    else:
+        outer = _accel.int_offsets(cu, num_pos)  # int32 offsets as bytes, or None
+        if outer is None:
+            return None
+        n = len(outer) // 4 - 1
+    if num_rows is not None and n != num_rows:
+        return None
+    ids_node = (num_ids, 0, (None, token_ids), ())
+    node = (n, 0, (None, outer), ((num_pos, 0, (None, csr), (ids_node,)),))
+    return node, _MASK_LAYOUTS[offsets is not None, cu is not None]
+
+
 def encode_sampling_masks(
     m: Any, field: str = "sampling_masks", *, num_rows: int | None = None, as_node: bool = False
 ) -> tuple[Any, dict[str, Any]]:
@@ -46,6 +102,10 @@ def encode_sampling_masks(
     (:func:`arrow_outputs._pyspeedups.record_batch`) instead of an array (the column's type
     is fixed: :data:`SAMPLING_MASK_TYPE`).
     """
+    if as_node:
+        fast = _host_masks_node(m, num_rows)
+        if fast is not None:
+            return fast
     if not hasattr(m, "token_ids") or not hasattr(m, "offsets"):
         raise FieldTypeError(field, "a SamplingMaskLists", describe(m))
     token_ids, dt = host_array(m.token_ids, f"{field}.token_ids")
