@@ -464,12 +464,19 @@ def test_step_json_reuse_is_not_changed_by_callers() -> None:
 
 def test_step_json_reuse_refuses_what_the_full_parse_refuses() -> None:
     rest = _rest_of(ao.to_record_batch(CASES[0](), step=0))
-    _fast(_raw(0, 1, rest))
     for raw in (
         _raw(2**63, 1, rest),
         _raw(1, 2**31, rest),
         b'{"step":01,"rows":1,' + rest.encode() + b"}",
         b'{"step":1,"rows":1,' + rest.encode() + b"} ",
         b'{"step":1, "rows":1,' + rest.encode() + b"}",
+        # The last tail's bytes at the end, after a head that is not only step and rows.
+        b'{"step":1,"rows":1,"rows":5,' + rest.encode() + b"}",
+        b'{"step":1,"rows":1,"x":2,' + rest.encode() + b"}",
+        b'{"rows":1,"step":1,' + rest.encode() + b"}",
     ):
+        _fast(_raw(0, 1, rest))
+        _fast(_raw(1, 2, rest))  # the tail is now the last one used (_stepmeta._LAST_TAIL)
+        assert _stepmeta._LAST_TAIL is not None
+        assert _stepmeta._LAST_TAIL[1] == rest.encode() + b"}"
         assert _fast(raw) == _full(raw)
