@@ -1253,8 +1253,11 @@ def _custom_raw(custom_metadata: Any) -> Any:
     if custom_metadata is None:
         return None
     if type(custom_metadata) is pa.KeyValueMetadata:  # bytes keys and values by construction
-        values = custom_metadata.get_all(KEY_STEP)
-        return values[-1] if values else None  # the last one, as the loop below
+        # The last one, as the loop below; by position (get_all costs twice as much).
+        for i in range(len(custom_metadata) - 1, -1, -1):
+            if custom_metadata.key(i) == KEY_STEP:
+                return custom_metadata.value(i)
+        return None
     items = getattr(custom_metadata, "items", None)
     if not callable(items):
         raise FieldTypeError(
