@@ -177,8 +177,9 @@ def _positions(
 
 # What the checks of encode_logprobs proved of a host LogprobsLists' arrays, by everything they
 # depend on: (ids.dtype, lps.dtype, ranks.dtype, ids.shape, lps.shape, ranks.shape, their
-# strides, id_type, rank_type, whether cu_num_generated_tokens is None) -> (width, the
-# inner offsets, the outer offsets or None, the shared layout). Steps repeat shapes.
+# strides, id_type, rank_type, whether cu_num_generated_tokens is None) -> (positions, the
+# inner offsets, the outer offsets or None (from cu, each step), the shared layout). Steps
+# repeat shapes.
 _HOST_LISTS: dict[tuple[Any, ...], tuple[Any, ...]] = {}
 
 
