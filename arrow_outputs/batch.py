@@ -40,13 +40,14 @@ from .errors import (
 )
 from .logprobs import (
     _flat_values,
+    _host_lists_node,
     decode_logprobs,
     decode_prompt_logprobs,
     encode_logprobs,
     encode_prompt_logprobs,
     list_offsets,
 )
-from .masks import decode_sampling_masks, encode_sampling_masks
+from .masks import _host_masks_node, decode_sampling_masks, encode_sampling_masks
 from .outputs import (
     AuxRequestOutput,
     CUDAGraphStat,
@@ -873,6 +874,8 @@ _STAGED_ABSENT = tuple(
     if name not in ("sampled_token_ids", "logprobs")
 )
 assert dataclasses.MISSING not in (default for *_, default in _STAGED_ABSENT)
+# _everyday builds the columns in this order: sampled ids, logprobs, then _STAGED_ABSENT's.
+assert tuple(_CODECS)[:2] == ("sampled_token_ids", "logprobs")
 # encode_step's table: (column, codec, output field, the type of the field's empty value as
 # in _STAGED_ABSENT, or _NEVER_ABSENT for the fields whose encoder always runs, and the
 # field's default).
@@ -981,6 +984,11 @@ def encode_step(
         )
     run = _run_of(schema)
     nulls = run.nulls(n)
+    everyday = None if prebuilt or not n or not _accel.accelerated() else _everyday(output, run, n)
+    if everyday is not None:
+        arrays, identity = _row_columns(run, req_ids, n, step)
+        arrays += everyday[0]
+        return _finish(output, run, schema, step, n, identity, arrays, everyday[1], opaque)
     # tuple.__new__: the NamedTuple's own __new__ costs 0.2 us more a step.
     ctx = tuple.__new__(_Enc, (output, req_ids, index, n, run.types, nulls, run.arrow_types))
     arrays, identity = _row_columns(run, req_ids, n, step)
@@ -1001,6 +1009,48 @@ def encode_step(
         arrays.append(arr)
         layouts.append(layout)
     return _finish(output, run, schema, step, n, identity, arrays, layouts, opaque)
+
+
+def _everyday(output: Any, run: _Run, n: int) -> tuple[list[Any], list[Any]] | None:
+    """The codec columns and layouts of the step vLLM makes every step (sampled ids; host
+    ``LogprobsLists`` or None; host ``SamplingMaskLists`` or None; every other field
+    absent), on the C path: what the column loop of :func:`encode_step` makes of it, without
+    the loop's generic calls. None for any other step, before anything is refused: the loop
+    then encodes it or raises its precise error."""
+    st = getattr(output, "sampled_token_ids", None)
+    if type(st) is not list or not st:
+        return None
+    types = run.types
+    itemsize = 4 if types.sampled_token_ids == "int32" else 8
+    fast = _accel.flatten_int_lists(st, n, itemsize)
+    if fast is None:
+        return None
+    values_bytes, offsets_bytes = fast
+    values_node = (len(values_bytes) // itemsize, 0, (None, values_bytes), ())
+    nulls = run.nulls(n)
+    lp = getattr(output, "logprobs", None)
+    if lp is None:
+        lp_col: Any = (nulls["logprobs"], None)
+    else:
+        lp_col = _host_lists_node(lp, types.logprob_token_ids, types.logprob_ranks, n)
+        if lp_col is None:
+            return None
+    columns = [(n, 0, (None, offsets_bytes), (values_node,)), lp_col[0]]
+    layouts = ["lists", lp_col[1]]
+    for name, field, kind, default in _STAGED_ABSENT:
+        value = getattr(output, field, default)  # _get, for fields that have a default
+        if value is None if kind is None else (type(value) is kind and not value):
+            columns.append(nulls[name])
+            layouts.append(None)
+        elif name == "sampling_mask":
+            got = _host_masks_node(value, n)
+            if got is None:
+                return None
+            columns.append(got[0])
+            layouts.append(got[1])
+        else:
+            return None
+    return columns, layouts
 
 
 def _row_columns(run: _Run, req_ids: list[Any], n: int, step: int | None) -> tuple[list[Any], Any]:

@@ -1,7 +1,8 @@
 """The encode's fast paths for what vLLM hands over every step: host ``LogprobsLists`` and
 ``SamplingMaskLists`` of numpy arrays as nodes for the C assembly without their full checks
-(``logprobs._host_lists_node``, ``masks._host_masks_node``), and absent fields that skip their
-encoders (``batch._ENCODERS``).
+(``logprobs._host_lists_node``, ``masks._host_masks_node``), absent fields that skip their
+encoders (``batch._ENCODERS``), and the whole everyday step's columns without the column
+loop (``batch._everyday``).
 
 A fast path must give exactly what the full path gives (the same node over the same buffers,
 the very same layout object, so the step JSON tail is reused), and give up (None) on anything
@@ -16,7 +17,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import codec_on
+from conftest import codec_on, decode_step
+from test_batch import CASES
 
 import arrow_outputs as ao
 from arrow_outputs import _accel, batch, logprobs, masks
@@ -288,7 +290,8 @@ def test_absent_fields_skip_only_what_their_encoder_would_make_nulls(
     out = _Output(["a"], {"a": 0}, [[5]], **{field: value})
     got = _result(out)
     with monkeypatch.context() as m:
-        # Every field through its encoder: what encode_step did before the skip.
+        # Every field through its encoder: what encode_step did before the skips.
+        m.setattr(batch, "_everyday", lambda *a: None)
         m.setattr(
             batch,
             "_ENCODERS",
@@ -308,3 +311,97 @@ def test_absent_fields_of_an_older_vllm_object_take_their_defaults() -> None:
 
     got = ao.from_record_batch(ao.to_record_batch(Older(["a"], {"a": 0}, [[5]]), step=0))
     assert got == ModelRunnerOutput(["a"], {"a": 0}, [[5]])
+
+
+# ----------------------------------------------------------------------------- everyday step
+
+
+def _batch_or_error(out: Any) -> Any:
+    try:
+        b = ao.to_record_batch(out, step=7)
+    except ArrowOutputsError as e:
+        return ("raised", type(e), str(e))
+    return ("ok", b.schema.metadata, b.to_pylist())
+
+
+def _everyday_step() -> ModelRunnerOutput:
+    return decode_step(3, 4)  # logprobs with cu lists, NaN counts for one request, masks
+
+
+def _plain_decode_step() -> ModelRunnerOutput:
+    out = decode_step(3, 4)
+    out.num_nans_in_logits = None
+    return out
+
+
+def _older_object() -> Any:
+    out = _plain_decode_step()
+    return _Output(
+        out.req_ids, out.req_id_to_index, out.sampled_token_ids, out.logprobs,
+        sampling_masks=out.sampling_masks,
+    )  # fmt: skip
+
+
+def _pooling_step() -> ModelRunnerOutput:
+    out = _plain_decode_step()
+    out.sampled_token_ids = []
+    return out
+
+
+def _bad_mask_step() -> ModelRunnerOutput:
+    out = _plain_decode_step()
+    out.sampling_masks = out.sampling_masks._replace(offsets=out.sampling_masks.offsets[::-1])
+    return out
+
+
+def _bad_logprobs_step() -> ModelRunnerOutput:
+    out = _plain_decode_step()
+    assert out.logprobs is not None
+    out.logprobs = out.logprobs._replace(cu_num_generated_tokens=[0, 1])
+    return out
+
+
+def _bad_sampled_step() -> ModelRunnerOutput:
+    out = _plain_decode_step()
+    out.sampled_token_ids[1] = [True]
+    return out
+
+
+EVERYDAY = [
+    _plain_decode_step,
+    _everyday_step,
+    _older_object,
+    _pooling_step,
+    _bad_mask_step,
+    _bad_logprobs_step,
+    _bad_sampled_step,
+    *CASES,
+]
+
+
+@pytest.mark.parametrize("make", EVERYDAY, ids=lambda f: f.__name__.lstrip("_"))
+def test_everyday_columns_are_the_column_loops(monkeypatch, make) -> None:
+    out = make()
+    got = _batch_or_error(out)
+    with monkeypatch.context() as m:
+        m.setattr(batch, "_everyday", lambda *a: None)
+        assert _batch_or_error(out) == got
+
+
+@pytest.mark.parametrize(
+    ("make", "taken"),
+    [(_plain_decode_step, True), (_older_object, True), (_everyday_step, False)],
+    ids=["decode-step", "older-object", "nan-counts"],
+)
+def test_everyday_columns_take_vllms_everyday_step(monkeypatch, make, taken: bool) -> None:
+    calls: list[Any] = []
+    real = batch._everyday
+
+    def spy(*args: Any) -> Any:
+        calls.append(real(*args))
+        return calls[-1]
+
+    monkeypatch.setattr(batch, "_everyday", spy)
+    ao.to_record_batch(make(), step=1)
+    assert len(calls) == 1
+    assert (calls[0] is not None) == taken
