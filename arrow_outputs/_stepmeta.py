@@ -19,7 +19,6 @@ from __future__ import annotations
 import array
 import json
 import re
-import threading
 import weakref
 from collections.abc import Callable
 from functools import lru_cache
@@ -321,25 +320,28 @@ def shared_layout(**items: Any) -> dict[str, Any]:
 class _Table(dict[int, tuple[Any, ...]]):
     """Entries whose first item is a weak reference. When it reaches its limit it drops the
     dead ones and never a live one; the limit then becomes twice the live entries (at least
-    ``floor``), so pruning costs O(1) per entry added however many stay alive. Entries are
-    added under ``_TABLES_LOCK`` (a prune must not lose another thread's new entry); a lookup
-    is one ``dict.get``, atomic under the GIL."""
+    ``floor``), so pruning costs O(1) per entry added however many stay alive. No lock: an
+    entry is added, and a lookup made, by one dict operation (atomic under the GIL), and a
+    prune running on another thread meanwhile never drops it (:meth:`prune`)."""
 
     def __init__(self, floor: int) -> None:
         super().__init__()
         self.floor = self.limit = floor
 
     def prune(self) -> None:
-        """Drop the dead entries (at the limit, before an entry is added); the caller holds
-        ``_TABLES_LOCK``."""
-        live = [(k, v) for k, v in list(self.items()) if v[0]() is not None]
-        self.clear()
-        self.update(live)
-        self.limit = max(self.floor, 2 * len(live))
+        """Drop the dead entries (at the limit, before an entry is added), while other
+        threads may add and replace entries: each step is one atomic dict operation, and an
+        entry found dead is taken out only if it is still the one found; a newer entry
+        under its key is put back. Two live objects never share a key (an address, an
+        id), so of two entries under one key the older is dead once the newer exists."""
+        for key, entry in list(self.items()):
+            if entry[0]() is None:
+                got = self.pop(key, None)
+                if got is not None and got is not entry:
+                    self.setdefault(key, got)  # replaced meanwhile: the newer one stays
+        self.limit = max(self.floor, 2 * len(self))
 
 
-# One lock for both tables: a batch is registered in both at once (one acquire a step).
-_TABLES_LOCK = threading.Lock()
 _OWNED = _Table(1024)
 
 
@@ -357,15 +359,12 @@ def register(
     as ``to_record_batch`` returns it (a whole step), was made with it. ``known``: what its
     maker knew of its schema (the run's column types), handed back by :func:`made_with`."""
     address, count = values.buffer_info()  # its memory's address, without a buffer object
-    owned = (weakref.ref(values), count * values.itemsize, raw)
-    made = (weakref.ref(batch), raw, known)
-    with _TABLES_LOCK:
-        if len(_OWNED) >= _OWNED.limit:
-            _OWNED.prune()
-        _OWNED[address] = owned
-        if len(_BATCHES) >= _BATCHES.limit:
-            _BATCHES.prune()
-        _BATCHES[id(batch)] = made
+    if len(_OWNED) >= _OWNED.limit:
+        _OWNED.prune()
+    _OWNED[address] = (weakref.ref(values), count * values.itemsize, raw)
+    if len(_BATCHES) >= _BATCHES.limit:
+        _BATCHES.prune()
+    _BATCHES[id(batch)] = (weakref.ref(batch), raw, known)
 
 
 def made_with(batch: pa.RecordBatch) -> tuple[bytes, Any] | None:

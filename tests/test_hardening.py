@@ -186,6 +186,34 @@ def test_registries_lose_no_live_entry_to_a_prune_on_another_thread(monkeypatch)
         assert ao.step_metadata(batch.slice(1))["rows"] == 3  # proven by its step column
 
 
+def test_registry_prune_keeps_what_another_thread_adds_or_replaces_meanwhile() -> None:
+    """A prune checks each entry's reference and takes dead entries out one dict operation
+    at a time; here another thread's work lands exactly between those operations (the
+    reference's call), replacing the entry it is checking and adding another."""
+    import weakref
+
+    from arrow_outputs._stepmeta import _Table
+
+    class Kept:
+        pass
+
+    table = _Table(4)
+    newer, other = Kept(), Kept()
+    newer_entry = (weakref.ref(newer), b"newer")
+    other_entry = (weakref.ref(other), b"other")
+
+    def dead_but_replaced_meanwhile() -> None:
+        table[1] = newer_entry  # key 1's object died; a new one took its address
+        table[2] = other_entry
+        return None
+
+    table[1] = (dead_but_replaced_meanwhile, b"old")
+    table[3] = (lambda: None, b"dead")
+    table.prune()
+    assert table == {1: newer_entry, 2: other_entry}  # the dead ones gone, no live one lost
+    assert table.limit == 4
+
+
 def test_run_schemas_that_differ_only_in_field_metadata_keep_their_own_types() -> None:
     from arrow_outputs import batch as batch_mod
     from arrow_outputs.schema import ColumnTypes, TensorSpec
