@@ -503,13 +503,9 @@ def _enc_sampled(c: _Enc) -> tuple[pa.Array, Any]:
     if not st:
         # A pooling step: no sampled ids at all, while requests exist.
         return c.nulls["sampled_token_ids"], "none"
-    itemsize = 4 if id_type == "int32" else 8
-    fast = _accel.flatten_int_lists(st, n, itemsize) if _accel.accelerated() else None
-    if fast is not None:
-        # A node: the C path assembles the batch; itemsize is the run type's.
-        values_bytes, offsets_bytes = fast
-        values_node = (len(values_bytes) // itemsize, 0, (None, values_bytes), ())
-        return (n, 0, (None, offsets_bytes), (values_node,)), "lists"
+    node = _sampled_node(st, n, id_type) if _accel.accelerated() else None
+    if node is not None:
+        return node, "lists"
     t = c.arrow_types["sampled_token_ids"]
     # The slow path: the same batch, or the precise error for what the fast path refused.
     if len(st) != n:
@@ -550,6 +546,19 @@ def _enc_sampled(c: _Enc) -> tuple[pa.Array, Any]:
     values = pa.Array.from_buffers(t.value_type, len(flat), [None, pa.py_buffer(flat)])
     arr = pa.Array.from_buffers(t, n, [None, pa.py_buffer(offsets)], children=[values])
     return arr, "lists"
+
+
+def _sampled_node(st: list[Any], n: int, id_type: str) -> Any:
+    """The sampled-ids column as a node for the C assembly (``flatten_int_lists`` at the run
+    type's item size), or None when the walk refuses the lists (the caller's checks then
+    name what is wrong)."""
+    itemsize = 4 if id_type == "int32" else 8
+    fast = _accel.flatten_int_lists(st, n, itemsize)
+    if fast is None:
+        return None
+    values_bytes, offsets_bytes = fast
+    values_node = (len(values_bytes) // itemsize, 0, (None, values_bytes), ())
+    return (n, 0, (None, offsets_bytes), (values_node,))
 
 
 def _enc_logprobs(c: _Enc) -> tuple[pa.Array, Any]:
@@ -984,7 +993,9 @@ def encode_step(
         )
     run = _run_of(schema)
     nulls = run.nulls(n)
-    everyday = None if prebuilt or not n or not _accel.accelerated() else _everyday(output, run, n)
+    everyday = (
+        None if prebuilt or not n or not _accel.accelerated() else _everyday(output, run, n, nulls)
+    )
     if everyday is not None:
         arrays, identity = _row_columns(run, req_ids, n, step)
         arrays += everyday[0]
@@ -1011,7 +1022,9 @@ def encode_step(
     return _finish(output, run, schema, step, n, identity, arrays, layouts, opaque)
 
 
-def _everyday(output: Any, run: _Run, n: int) -> tuple[list[Any], list[Any]] | None:
+def _everyday(
+    output: Any, run: _Run, n: int, nulls: dict[str, pa.Array]
+) -> tuple[list[Any], list[Any]] | None:
     """The codec columns and layouts of the step vLLM makes every step (sampled ids; host
     ``LogprobsLists`` or None; host ``SamplingMaskLists`` or None; every other field
     absent), on the C path: what the column loop of :func:`encode_step` makes of it, without
@@ -1021,13 +1034,9 @@ def _everyday(output: Any, run: _Run, n: int) -> tuple[list[Any], list[Any]] | N
     if type(st) is not list or not st:
         return None
     types = run.types
-    itemsize = 4 if types.sampled_token_ids == "int32" else 8
-    fast = _accel.flatten_int_lists(st, n, itemsize)
-    if fast is None:
+    sampled = _sampled_node(st, n, types.sampled_token_ids)
+    if sampled is None:
         return None
-    values_bytes, offsets_bytes = fast
-    values_node = (len(values_bytes) // itemsize, 0, (None, values_bytes), ())
-    nulls = run.nulls(n)
     lp = getattr(output, "logprobs", None)
     if lp is None:
         lp_col: Any = (nulls["logprobs"], None)
@@ -1035,7 +1044,7 @@ def _everyday(output: Any, run: _Run, n: int) -> tuple[list[Any], list[Any]] | N
         lp_col = _host_lists_node(lp, types.logprob_token_ids, types.logprob_ranks, n)
         if lp_col is None:
             return None
-    columns = [(n, 0, (None, offsets_bytes), (values_node,)), lp_col[0]]
+    columns = [sampled, lp_col[0]]
     layouts = ["lists", lp_col[1]]
     for name, field, kind, default in _STAGED_ABSENT:
         value = getattr(output, field, default)  # _get, for fields that have a default
