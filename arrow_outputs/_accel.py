@@ -56,6 +56,7 @@ __all__ = [
     "split_int_lists",
     "str_list",
     "utf8_array",
+    "validate_full",
 ]
 
 _compiled: ModuleType | None
@@ -263,6 +264,17 @@ def schema_address(batch: pa.RecordBatch) -> int | None:
     """The address of ``batch``'s C++ schema (``_arrowbridge.schema_address``), which the
     batches of one stream share, on the compiled path with the bridge loaded; else None."""
     return _bridge.schema_address(batch) if _using_c and _bridge is not None else None
+
+
+def validate_full(batch: pa.RecordBatch) -> None:
+    """``batch.validate(full=True)``, raising what it raises. On the compiled path the bridge
+    first tries to prove the batch valid by a stricter check of the same rules
+    (``_arrowbridge.proven_valid``, several times cheaper for a small step); pyarrow's own
+    validation runs whenever that is not proven, so it alone decides what is refused and how
+    the error reads, on both paths."""
+    if _using_c and _bridge is not None and _bridge.proven_valid(batch):
+        return
+    batch.validate(full=True)
 
 
 def accelerated() -> bool:

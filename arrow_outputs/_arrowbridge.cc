@@ -4,6 +4,7 @@
  * export_into(batch, address) -> bool                                  (decode)
  * assemble(schema, n, columns, metadata) -> RecordBatch | None                (encode)
  * schema_address(batch) -> int                                          (decode)
+ * proven_valid(batch) -> bool                                          (decode, readers)
  *
  * Decode. The walk (_speedups.decode_batch) reads a batch through the Arrow C Data
  * Interface: an ArrowArray tree that pyarrow fills with RecordBatch._export_to_c. That export
@@ -31,6 +32,20 @@
  * (type and length). It declines (None) whatever it does not take, and the caller then runs
  * the specification, _pyspeedups.record_batch, which makes the batch or raises its error.
  *
+ * Validation. A batch from elsewhere must pass RecordBatch.validate(full=True) before
+ * anything is read by its offsets. For a small step that costs a third of the decode, most of
+ * it per node (the layout vector ValidateLayout builds, the boxed column arrays), not in the
+ * checks. proven_valid makes the same checks, stricter, in one walk over the ArrayData: True
+ * means every rule of full validation holds (so pyarrow's would pass); False only means
+ * "not proven" (a layout or a shape it does not take, or a broken rule), and the caller then
+ * runs pyarrow's validation, which passes or words the error. It takes offset-0 arrays on
+ * CPU memory of fixed-width numeric, (large) string and binary, (large) list, fixed-size
+ * list and struct types (and extension types over them), and requires of them what full
+ * validation requires and more: child types equal to their parent's field types, aligned
+ * offsets, UTF-8 in every string slot (null ones too). The rules are those of the Arrow it
+ * is built against (this module loads into no other); tests/test_proven_valid.py holds it
+ * to them over mutated streams.
+ *
  * Built against pyarrow's own C++ library (setup.py), so it only loads into the pyarrow it
  * was built against: a module built for another version refuses to import, and
  * arrow_outputs._accel then uses pyarrow's export and import, as where it was never built. */
@@ -48,10 +63,13 @@
 #include <arrow/record_batch.h>
 #include <arrow/type.h>
 #include <arrow/util/config.h>
+#include <arrow/util/bitmap_ops.h>
 #include <arrow/util/key_value_metadata.h>
+#include <arrow/util/utf8.h>
 
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <new>
 #include <string>
@@ -218,8 +236,13 @@ export_into(PyObject *, PyObject *const *args, Py_ssize_t nargs)
     Sizes s;
     s.buffers = 1;  // the root's validity (none)
     s.children = static_cast<size_t>(ncols);
+    // The columns as the batch holds them: column_data(i) would copy each shared_ptr.
+    const arrow::ArrayDataVector &columns = batch.column_data();
+    if (columns.size() != static_cast<size_t>(ncols)) {
+        Py_RETURN_FALSE;
+    }
     for (int i = 0; i < ncols; i++) {
-        const std::shared_ptr<arrow::ArrayData> &col = batch.column_data(i);
+        const std::shared_ptr<arrow::ArrayData> &col = columns[static_cast<size_t>(i)];
         if (col == nullptr || !measure(*col, 1, &s)) {
             Py_RETURN_FALSE;
         }
@@ -251,7 +274,7 @@ export_into(PyObject *, PyObject *const *args, Py_ssize_t nargs)
     for (int i = 0; i < ncols; i++) {
         ArrowArray *child = at.nodes++;
         root->children[i] = child;
-        fill(*batch.column_data(i), child, &at);
+        fill(*columns[static_cast<size_t>(i)], child, &at);
     }
     Py_INCREF(obj);
     block->batch = obj;
@@ -468,6 +491,259 @@ assemble(PyObject *, PyObject *const *args, Py_ssize_t nargs)
     }
 }
 
+// Whether the int32 or int64 offsets of d (offset 0, length n) are what full validation
+// requires: present when n > 0, n + 1 of them, aligned, the first >= 0, non-decreasing,
+// none above limit. An empty array may have no offsets; one that has a buffer has its
+// first offset read and checked as well (pyarrow 26 checks it whenever the buffer is not
+// empty).
+template <typename O>
+bool
+offsets_proven(const arrow::ArrayData &d, int64_t limit)
+{
+    const int64_t n = d.length;
+    const arrow::Buffer *buf = d.buffers[1].get();
+    if (buf == nullptr || buf->address() == 0) {
+        return n == 0;
+    }
+    if (n == 0 && buf->size() == 0) {
+        return true;
+    }
+    const int64_t count = buf->size() / static_cast<int64_t>(sizeof(O));
+    if (count < 1 || count - 1 < n || buf->address() % alignof(O) != 0) {
+        return false;
+    }
+    const O *off = reinterpret_cast<const O *>(buf->data());
+    O prev = off[0];
+    if (prev < 0 || prev > limit) {
+        return false;
+    }
+    for (int64_t i = 1; i <= n; i++) {
+        const O cur = off[i];
+        if (cur < prev || cur > limit) {
+            return false;
+        }
+        prev = cur;
+    }
+    return true;
+}
+
+// Every slot of a string array valid UTF-8 (its offsets already proven).
+template <typename O>
+bool
+utf8_proven(const arrow::ArrayData &d)
+{
+    const O *off = reinterpret_cast<const O *>(d.buffers[1]->data());
+    const uint8_t *chars = d.buffers[2]->data();
+    for (int64_t i = 0; i < d.length; i++) {
+        if (!arrow::util::ValidateUTF8(chars + off[i], static_cast<int64_t>(off[i + 1] - off[i]))) {
+            return false;
+        }
+    }
+    return true;
+}
+
+// The byte width of a fixed-width numeric type; 0 for any other type.
+int
+numeric_width(arrow::Type::type id)
+{
+    switch (id) {
+    case arrow::Type::INT8:
+    case arrow::Type::UINT8:
+        return 1;
+    case arrow::Type::INT16:
+    case arrow::Type::UINT16:
+    case arrow::Type::HALF_FLOAT:
+        return 2;
+    case arrow::Type::INT32:
+    case arrow::Type::UINT32:
+    case arrow::Type::FLOAT:
+        return 4;
+    case arrow::Type::INT64:
+    case arrow::Type::UINT64:
+    case arrow::Type::DOUBLE:
+        return 8;
+    default:
+        return 0;
+    }
+}
+
+// Whether d, an array of type `type`, meets every rule of full validation (see the top).
+bool
+proven(const arrow::ArrayData &d, const arrow::DataType &declared, int depth)
+{
+    if (depth > kMaxDepth || d.type == nullptr ||
+        (d.type.get() != &declared && !d.type->Equals(declared))) {
+        return false;
+    }
+    // An extension array is checked as its storage, as full validation checks it.
+    const arrow::DataType &type =
+        declared.id() == arrow::Type::EXTENSION
+            ? *static_cast<const arrow::ExtensionType &>(declared).storage_type()
+            : declared;
+    const int64_t n = d.length;
+    const int64_t nulls = d.null_count.load();
+    const bool counted = nulls != arrow::kUnknownNullCount;  // else, as pyarrow: not checked
+    if (n < 0 || d.offset != 0 || d.dictionary != nullptr || (counted && nulls < 0) || nulls > n ||
+        d.child_data.size() != static_cast<size_t>(type.num_fields())) {
+        return false;
+    }
+    for (const auto &b : d.buffers) {
+        if (b != nullptr && !b->is_cpu()) {
+            return false;
+        }
+    }
+    const arrow::Type::type id = type.id();
+    const int width = numeric_width(id);
+    size_t nbuffers;
+    if (width > 0) {
+        nbuffers = 2;
+    } else {
+        switch (id) {
+        case arrow::Type::STRING:
+        case arrow::Type::BINARY:
+        case arrow::Type::LARGE_STRING:
+        case arrow::Type::LARGE_BINARY:
+            nbuffers = 3;
+            break;
+        case arrow::Type::LIST:
+        case arrow::Type::LARGE_LIST:
+            nbuffers = 2;
+            break;
+        case arrow::Type::FIXED_SIZE_LIST:
+        case arrow::Type::STRUCT:
+            nbuffers = 1;
+            break;
+        default:
+            return false;
+        }
+    }
+    if (d.buffers.size() != nbuffers) {
+        return false;
+    }
+    // The validity bitmap: big enough, and its unset bits exactly the null count (where the
+    // count is known; an unknown one is not checked by full validation either).
+    const arrow::Buffer *bits = d.buffers[0].get();
+    if (bits == nullptr) {
+        if (nulls > 0) {
+            return false;
+        }
+    } else if (n > 0) {
+        if (bits->size() < n / 8 + (n % 8 != 0) || bits->data() == nullptr ||
+            (counted && n - arrow::internal::CountSetBits(bits->data(), 0, n) != nulls)) {
+            return false;
+        }
+    }
+    if (width > 0) {
+        const arrow::Buffer *values = d.buffers[1].get();
+        if (n == 0) {
+            return true;
+        }
+        return values != nullptr && values->address() != 0 &&
+               n <= std::numeric_limits<int64_t>::max() / width && values->size() >= n * width;
+    }
+    switch (id) {
+    case arrow::Type::STRING:
+    case arrow::Type::BINARY: {
+        const arrow::Buffer *chars = d.buffers[2].get();
+        if (chars == nullptr || chars->address() == 0 ||
+            !offsets_proven<int32_t>(d, chars->size())) {
+            return false;
+        }
+        return id == arrow::Type::BINARY || n == 0 || utf8_proven<int32_t>(d);
+    }
+    case arrow::Type::LARGE_STRING:
+    case arrow::Type::LARGE_BINARY: {
+        const arrow::Buffer *chars = d.buffers[2].get();
+        if (chars == nullptr || chars->address() == 0 ||
+            !offsets_proven<int64_t>(d, chars->size())) {
+            return false;
+        }
+        return id == arrow::Type::LARGE_BINARY || n == 0 || utf8_proven<int64_t>(d);
+    }
+    case arrow::Type::LIST:
+    case arrow::Type::LARGE_LIST: {
+        const arrow::ArrayData *values = d.child_data[0].get();
+        if (values == nullptr ||
+            !proven(*values, *static_cast<const arrow::BaseListType &>(type).value_type(),
+                    depth + 1)) {
+            return false;
+        }
+        return id == arrow::Type::LIST ? offsets_proven<int32_t>(d, values->length)
+                                       : offsets_proven<int64_t>(d, values->length);
+    }
+    case arrow::Type::FIXED_SIZE_LIST: {
+        const auto &fsl = static_cast<const arrow::FixedSizeListType &>(type);
+        const int64_t size = fsl.list_size();
+        const arrow::ArrayData *values = d.child_data[0].get();
+        return values != nullptr && size >= 0 &&
+               (size == 0 || n <= std::numeric_limits<int64_t>::max() / size) &&
+               values->length >= n * size && proven(*values, *fsl.value_type(), depth + 1);
+    }
+    case arrow::Type::STRUCT:
+        for (int i = 0; i < type.num_fields(); i++) {
+            const arrow::ArrayData *field = d.child_data[static_cast<size_t>(i)].get();
+            if (field == nullptr || field->length < n ||
+                !proven(*field, *type.field(i)->type(), depth + 1)) {
+                return false;
+            }
+        }
+        return true;
+    default:
+        return false;
+    }
+}
+
+bool
+columns_proven(const arrow::RecordBatch &batch, const arrow::Schema &schema)
+{
+    const arrow::ArrayDataVector &columns = batch.column_data();  // no shared_ptr copies
+    if (columns.size() != static_cast<size_t>(schema.num_fields())) {
+        return false;
+    }
+    for (int i = 0; i < schema.num_fields(); i++) {
+        const std::shared_ptr<arrow::ArrayData> &col = columns[static_cast<size_t>(i)];
+        if (col == nullptr || col->length != batch.num_rows() ||
+            !proven(*col, *schema.field(i)->type(), 1)) {
+            return false;
+        }
+    }
+    return true;
+}
+
+// Batches of more rows than this are checked without the GIL, as pyarrow's validation is.
+constexpr int64_t kReleaseGilRows = 256;
+
+PyObject *
+proven_valid(PyObject *, PyObject *obj)
+{
+    if (!arrow::py::is_batch(obj)) {
+        PyErr_Format(PyExc_TypeError, "proven_valid(): expected a pyarrow.RecordBatch, got %s",
+                     Py_TYPE(obj)->tp_name);
+        return nullptr;
+    }
+    arrow::Result<std::shared_ptr<arrow::RecordBatch>> got = arrow::py::unwrap_batch(obj);
+    if (!got.ok()) {
+        PyErr_SetString(PyExc_TypeError, "proven_valid(): not a usable pyarrow.RecordBatch");
+        return nullptr;
+    }
+    const arrow::RecordBatch &batch = **got;
+    const arrow::Schema &schema = *batch.schema();
+    const int ncols = batch.num_columns();
+    const int64_t rows = batch.num_rows();
+    if (schema.num_fields() != ncols || rows < 0) {
+        Py_RETURN_FALSE;
+    }
+    bool ok;
+    if (rows > kReleaseGilRows) {
+        Py_BEGIN_ALLOW_THREADS
+        ok = columns_proven(batch, schema);
+        Py_END_ALLOW_THREADS
+    } else {
+        ok = columns_proven(batch, schema);
+    }
+    return PyBool_FromLong(ok);
+}
+
 // The address of a batch's C++ schema: batches read from one stream (or made against one
 // schema object) share it, so it keys what is derived from the schema alone.
 PyObject *
@@ -494,6 +770,10 @@ PyMethodDef methods[] = {
      "schema with metadata (bytes to bytes) as its schema metadata; no copy, checked as "
      "from_buffers and add_column check; None for anything else (the specification, "
      "_pyspeedups.record_batch, then makes it or raises its error)."},
+    {"proven_valid", proven_valid, METH_O,
+     "proven_valid(batch) -> bool: True when the batch meets every rule of "
+     "RecordBatch.validate(full=True), by a stricter check of the layouts this format uses; "
+     "False when that is not proven (pyarrow's validation then decides and words the error)."},
     {"schema_address", schema_address, METH_O,
      "schema_address(batch) -> int: the address of the batch's C++ schema, shared by the "
      "batches of one stream; a key only while that schema is held alive."},
@@ -547,6 +827,7 @@ PyInit__arrowbridge(void)
     if (arrow::py::import_pyarrow() != 0) {
         return nullptr;
     }
+    arrow::util::InitializeUTF8();  // ValidateUTF8's tables
     PyObject *m = PyModule_Create(&module);
     if (m == nullptr) {
         return nullptr;

@@ -1772,7 +1772,7 @@ def from_record_batch(
 
 def _validate_full(batch: pa.RecordBatch) -> None:
     try:
-        batch.validate(full=True)
+        _accel.validate_full(batch)
     except pa.ArrowInvalid as e:
         raise SchemaMismatchError("batch", "a valid Arrow record batch", str(e)) from e
 

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 
 import pyarrow as pa
 
+from . import _accel
 from .batch import decode_checked, from_record_batch, step_metadata
 from .errors import ArrowOutputsError, ConsistencyError, CorruptFileError, FieldTypeError
 from .schema import check_format, column_types
@@ -528,7 +529,7 @@ def _check_run_schema(schema: pa.Schema, name: str) -> None:
 def _check_batch(step: StepBatch, where: str) -> None:
     """Full validation: Arrow's own (offsets, UTF-8, bounds) and the step JSON's."""
     try:
-        step.batch.validate(full=True)
+        _accel.validate_full(step.batch)
     except pa.ArrowException as e:
         raise CorruptFileError(where, "a valid record batch", _short(e)) from e
     meta = step_metadata(step.batch, step.custom_metadata)

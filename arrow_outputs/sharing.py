@@ -1045,7 +1045,7 @@ class StepSubscriber:
         row[R_SEEN_NS] = time.monotonic_ns()
         if self._validate:
             try:
-                batch.validate(full=True)
+                _accel.validate_full(batch)
             except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
                 raise SchemaMismatchError(
                     f"step {seq}", "a record batch that passes full validation", str(e)

@@ -19,6 +19,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from . import _accel
 from .batch import run_schema, step_custom_metadata, step_metadata, to_record_batch
 from .errors import (
     ArrowOutputsError,
@@ -326,7 +327,7 @@ class OutputWriter:
         check_format(batch.schema)
         self._check_schema(batch)
         try:
-            batch.validate(full=True)
+            _accel.validate_full(batch)
         except pa.ArrowException as e:
             raise SchemaMismatchError("batch", "a valid record batch", str(e)[:200]) from e
         meta = step_metadata(batch, custom)

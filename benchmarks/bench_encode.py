@@ -23,9 +23,11 @@ pure-Python fallback; switched at run time with ``arrow_outputs._accel.set_pure_
   ``RecordBatch`` with the step metadata and the all-null columns of absent fields (the
   same every step of a size) as they are, the cheapest way this install has
   (``_arrowbridge.assemble``, else one C Data Interface import plus ``add_column``), and the
-  batch released; decode: ``validate(full=True)`` (untrusted batches must be validated) and
-  the batch's buffers handed over once as the C walk reads them (``_arrowbridge``'s view where
-  it is built, else pyarrow's export). ``pickle / floor`` is the best ratio any
+  batch released; decode: full validation (untrusted batches must be validated), the
+  cheapest way this install has (``_arrowbridge.proven_valid``, else
+  ``validate(full=True)``), and the batch's buffers handed over once as the C walk reads
+  them (``_arrowbridge``'s view where it is built, else pyarrow's export).
+  ``pickle / floor`` is the best ratio any
   encoder or decoder that makes or reads this batch could reach on this machine: a target
   above it cannot be met by more work on the codec.
 
@@ -355,9 +357,10 @@ def floor_figures(batches: list[pa.RecordBatch], fresh: FreshBatches) -> list[Fi
     untimed: nodes over the buffers of the columns that hold data, and the all-null columns
     of absent fields); the timed call makes the batch with its step metadata, as the C
     path's encoder ends (``pyarrow_floor.assemble``), and drops it. Decode: full validation
-    and the hand-over of a received batch's buffers (``pyarrow_floor.hand_over``: the view,
-    or pyarrow's export where the view is not loaded), a new batch object every call
-    (``fresh``), as our decode gets.
+    as the C path's decoder runs it (the bridge's proof, else pyarrow's) and the hand-over
+    of a received batch's buffers (``pyarrow_floor.hand_over``: the view, or pyarrow's
+    export where the view is not loaded), a new batch object every call (``fresh``), as our
+    decode gets.
     """
     try:  # it needs the C module
         floor = importlib.import_module("pyarrow_floor")  # a sibling script, not a package
@@ -373,8 +376,11 @@ def floor_figures(batches: list[pa.RecordBatch], fresh: FreshBatches) -> list[Fi
     def encode_floor(*split: Any) -> pa.RecordBatch:
         return floor.assemble(*split, validate=False)
 
+    bridge = getattr(importlib.import_module(ACCEL_MODULE), "_bridge", None)
+
     def decode_floor(batch: pa.RecordBatch) -> Any:
-        batch.validate(full=True)
+        if bridge is None or not bridge.proven_valid(batch):
+            batch.validate(full=True)
         return floor.hand_over(batch)  # released (with its tree) when dropped
 
     for split, b in zip(ready, batches):  # the floor makes the very batch it times
@@ -850,9 +856,10 @@ def _floor_table(rows: list[Row]) -> list[str]:
         "",
         "PYARROW FLOOR: what no codec on pyarrow avoids (encode: the batch made from the step's",
         "finished buffers, its step metadata and all-null columns, the cheapest way this",
-        "install has (pyarrow_floor.py) + release; decode: validate(full=True) + the buffers",
-        "handed over as the C walk reads them); best x = pickle / floor, the most any codec",
-        "could reach here; of C = floor / C path time",
+        "install has (pyarrow_floor.py) + release; decode: full validation, the cheapest way",
+        "(the bridge's proof, else pyarrow's) + the buffers handed over as the C walk reads",
+        "them); best x = pickle / floor, the most any codec could reach here; of C = floor /",
+        "C path time",
         head.rstrip(),
         "-" * len(head),
     ]

@@ -288,6 +288,7 @@ def test_decode_reads_through_the_view(monkeypatch: pytest.MonkeyPatch) -> None:
     class Spy:
         assemble = staticmethod(real.assemble)
         schema_address = staticmethod(real.schema_address)
+        proven_valid = staticmethod(real.proven_valid)
 
         @staticmethod
         def export_into(batch: Any, address: int) -> bool:
