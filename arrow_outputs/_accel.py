@@ -57,6 +57,7 @@ __all__ = [
     "str_list",
     "utf8_array",
     "validate_full",
+    "write_message",
 ]
 
 _compiled: ModuleType | None
@@ -264,6 +265,18 @@ def schema_address(batch: pa.RecordBatch) -> int | None:
     """The address of ``batch``'s C++ schema (``_arrowbridge.schema_address``), which the
     batches of one stream share, on the compiled path with the bridge loaded; else None."""
     return _bridge.schema_address(batch) if _using_c and _bridge is not None else None
+
+
+def write_message(batch: pa.RecordBatch, metadata: Any, dest: Any, at: int) -> int | None:
+    """The batch's IPC message with ``metadata`` as its custom metadata, then the
+    end-of-stream marker, written into the writable buffer ``dest`` from offset ``at`` as
+    pyarrow's stream writer writes them (``_arrowbridge.write_message``); the offset where
+    they end. None where it was not written (the pure path, no bridge, a message too large
+    for ``dest``, metadata that is not a dict of bytes): the caller then writes with pyarrow."""
+    if not _using_c or _bridge is None:
+        return None
+    end: int | None = _bridge.write_message(batch, metadata, dest, at)
+    return end
 
 
 def validate_full(batch: pa.RecordBatch) -> None:

@@ -5,6 +5,7 @@
  * assemble(schema, n, columns, metadata) -> RecordBatch | None                (encode)
  * schema_address(batch) -> int                                          (decode)
  * proven_valid(batch) -> bool                                          (decode, readers)
+ * write_message(batch, metadata, dest, at) -> int | None               (sharing)
  *
  * Decode. The walk (_speedups.decode_batch) reads a batch through the Arrow C Data
  * Interface: an ArrowArray tree that pyarrow fills with RecordBatch._export_to_c. That export
@@ -46,6 +47,14 @@
  * is built against (this module loads into no other); tests/test_proven_valid.py holds it
  * to them over mutated streams.
  *
+ * Sharing. A publisher writes each step as one IPC record-batch message into a slot's shared
+ * pages. Through pyarrow's stream writer that is a writer call that collects dictionaries
+ * (none here), the step metadata made into a KeyValueMetadata object (about 3 us from a
+ * dict), and seek and tell calls. write_message writes the same bytes (the message Arrow's
+ * stream writer gives, then the end-of-stream marker) into a writable buffer at an offset
+ * in one call, and returns where they end; None when they do not fit or for anything it
+ * does not take, and the caller writes with pyarrow (which also says why).
+ *
  * Built against pyarrow's own C++ library (setup.py), so it only loads into the pyarrow it
  * was built against: a module built for another version refuses to import, and
  * arrow_outputs._accel then uses pyarrow's export and import, as where it was never built. */
@@ -59,6 +68,8 @@
 #include <arrow/c/abi.h>
 #include <arrow/config.h>
 #include <arrow/extension_type.h>
+#include <arrow/io/memory.h>
+#include <arrow/ipc/writer.h>
 #include <arrow/python/pyarrow.h>
 #include <arrow/record_batch.h>
 #include <arrow/type.h>
@@ -744,6 +755,86 @@ proven_valid(PyObject *, PyObject *obj)
     return PyBool_FromLong(ok);
 }
 
+// Batches of more rows than this are written without the GIL, as pyarrow's writer does.
+constexpr int64_t kWriteReleaseGilRows = 256;
+
+PyObject *
+write_message(PyObject *, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_Format(PyExc_TypeError, "write_message() takes 4 arguments (%zd given)", nargs);
+        return nullptr;
+    }
+    PyObject *obj = args[0];
+    if (!arrow::py::is_batch(obj)) {
+        PyErr_Format(PyExc_TypeError, "write_message(): expected a pyarrow.RecordBatch, got %s",
+                     Py_TYPE(obj)->tp_name);
+        return nullptr;
+    }
+    if (!PyDict_CheckExact(args[1])) {
+        Py_RETURN_NONE;
+    }
+    const Py_ssize_t at = PyLong_AsSsize_t(args[3]);
+    if (at == -1 && PyErr_Occurred()) {
+        return nullptr;
+    }
+    arrow::Result<std::shared_ptr<arrow::RecordBatch>> got = arrow::py::unwrap_batch(obj);
+    if (!got.ok()) {
+        PyErr_SetString(PyExc_TypeError, "write_message(): not a usable pyarrow.RecordBatch");
+        return nullptr;
+    }
+    std::shared_ptr<const arrow::KeyValueMetadata> metadata;
+    if (!metadata_of(args[1], &metadata)) {
+        Py_RETURN_NONE;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[2], &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) {
+        return nullptr;
+    }
+    if (at < 0 || at > view.len) {
+        PyBuffer_Release(&view);
+        PyErr_Format(PyExc_ValueError, "write_message(): offset %zd outside a buffer of %zd bytes",
+                     at, view.len);
+        return nullptr;
+    }
+    static const uint8_t kEndOfStream[8] = {0xff, 0xff, 0xff, 0xff, 0, 0, 0, 0};
+    const arrow::RecordBatch &batch = **got;
+    auto target = std::make_shared<arrow::MutableBuffer>(static_cast<uint8_t *>(view.buf) + at,
+                                                         static_cast<int64_t>(view.len - at));
+    int64_t written = -1;
+    auto write = [&]() {
+        arrow::ipc::IpcWriteOptions options = arrow::ipc::IpcWriteOptions::Defaults();
+        options.use_threads = false;
+        arrow::ipc::IpcPayload payload;
+        int32_t metadata_length = 0;
+        arrow::io::FixedSizeBufferWriter out(target);
+        if (!arrow::ipc::GetRecordBatchPayload(batch, metadata, options, &payload).ok() ||
+            !arrow::ipc::WriteIpcPayload(payload, options, &out, &metadata_length).ok() ||
+            !out.Write(kEndOfStream, sizeof kEndOfStream).ok()) {
+            return;  // too large for the buffer, or anything else: pyarrow's writer says
+        }
+        arrow::Result<int64_t> end = out.Tell();
+        written = end.ok() ? *end : -1;
+    };
+    try {
+        if (batch.num_rows() > kWriteReleaseGilRows) {
+            Py_BEGIN_ALLOW_THREADS
+            write();
+            Py_END_ALLOW_THREADS
+        } else {
+            write();
+        }
+    } catch (const std::bad_alloc &) {
+        PyBuffer_Release(&view);
+        return PyErr_NoMemory();
+    }
+    PyBuffer_Release(&view);
+    if (written < 0) {
+        Py_RETURN_NONE;
+    }
+    return PyLong_FromSsize_t(at + static_cast<Py_ssize_t>(written));
+}
+
 // The address of a batch's C++ schema: batches read from one stream (or made against one
 // schema object) share it, so it keys what is derived from the schema alone.
 PyObject *
@@ -774,6 +865,13 @@ PyMethodDef methods[] = {
      "proven_valid(batch) -> bool: True when the batch meets every rule of "
      "RecordBatch.validate(full=True), by a stricter check of the layouts this format uses; "
      "False when that is not proven (pyarrow's validation then decides and words the error)."},
+    {"write_message", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(write_message)),
+     METH_FASTCALL,
+     "write_message(batch, metadata, dest, at) -> int | None: write the batch's IPC message "
+     "with metadata (a dict of bytes to bytes) as its custom metadata, then the end-of-stream "
+     "marker, into the writable buffer dest from offset at, as Arrow's stream writer writes "
+     "them; the offset where they end, or None when they do not fit or it does not take the "
+     "arguments (nothing to rely on is written then)."},
     {"schema_address", schema_address, METH_O,
      "schema_address(batch) -> int: the address of the batch's C++ schema, shared by the "
      "batches of one stream; a key only while that schema is held alive."},

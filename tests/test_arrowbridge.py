@@ -546,3 +546,54 @@ ao.assert_outputs_equal(ao.from_record_batch(ao.to_record_batch(out, step=1)), o
     assert done.returncode == 0, done.stderr
     assert f"built against Arrow {_accel._bridge.ARROW_VERSION}" in done.stdout
     assert "pyarrow's Arrow is 0.0.1" in done.stdout
+
+
+# ----------------------------------------------------------------------------- write_message
+
+
+def _pyarrows_stream(batch: pa.RecordBatch, custom: dict[bytes, bytes]) -> tuple[bytes, int]:
+    """What pyarrow's stream writer writes for one batch, and where its schema ends."""
+    options = pa.ipc.IpcWriteOptions(use_threads=False)
+    head = pa.BufferOutputStream()
+    pa.ipc.new_stream(head, batch.schema, options=options).close()
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, batch.schema, options=options) as writer:
+        writer.write_batch(batch, custom_metadata=custom)
+    return sink.getvalue().to_pybytes(), head.getvalue().size - 8
+
+
+@pytest.mark.parametrize("name", BATCH_NAMES)
+def test_write_message_writes_pyarrows_bytes(name: str) -> None:
+    batch = dict(_batches())[name]
+    custom = {b"arrow_outputs.step": b'{"step": 1}', b"k": b"\x00\xff"}
+    expected, schema_len = _pyarrows_stream(batch, custom)
+    dest = bytearray(b"\xaa" * (len(expected) + 100))
+    end = _accel._bridge.write_message(batch, custom, dest, schema_len)
+    assert end == len(expected)
+    assert bytes(dest[schema_len:end]) == expected[schema_len:]
+    assert dest[:schema_len] == b"\xaa" * schema_len  # nothing before the offset
+    assert dest[end:] == b"\xaa" * 100  # nothing after the end
+
+
+def test_write_message_declines_what_does_not_fit_or_is_not_a_dict_of_bytes() -> None:
+    batch = _struct_batch(40)
+    custom = {b"k": b"v"}
+    expected, schema_len = _pyarrows_stream(batch, custom)
+    size = len(expected) - schema_len  # the message and the end-of-stream marker
+    assert _accel._bridge.write_message(batch, custom, bytearray(size - 1), 0) is None
+    assert _accel._bridge.write_message(batch, custom, bytearray(size), 0) == size
+    for bad in ({"k": b"v"}, {b"k": "v"}, pa.KeyValueMetadata(custom), [(b"k", b"v")]):
+        assert _accel._bridge.write_message(batch, bad, bytearray(size), 0) is None
+
+
+def test_write_message_refuses_bad_arguments() -> None:
+    batch = _struct_batch(2)
+    with pytest.raises(TypeError, match=r"pyarrow\.RecordBatch"):
+        _accel._bridge.write_message(pa.table({"a": [1]}), {}, bytearray(10), 0)
+    with pytest.raises(TypeError, match="4 arguments"):
+        _accel._bridge.write_message(batch, {}, bytearray(10))
+    with pytest.raises(BufferError):  # read-only: no writable buffer
+        _accel._bridge.write_message(batch, {}, bytes(1000), 0)
+    for at in (-1, 11):
+        with pytest.raises(ValueError, match="outside a buffer of 10 bytes"):
+            _accel._bridge.write_message(batch, {}, bytearray(10), at)

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pytest
+from conftest import codec_on
 
 from arrow_outputs import (
     ArrowOutputsError,
@@ -25,9 +26,11 @@ from arrow_outputs import (
     LogprobsLists,
     ModelRunnerOutput,
     SchemaMismatchError,
+    _accel,
     assert_outputs_equal,
     from_record_batch,
     run_schema,
+    step_custom_metadata,
     to_record_batch,
 )
 from arrow_outputs.sharing import (
@@ -349,6 +352,45 @@ def test_a_larger_step_gets_a_larger_slot_file(run_dir: Path) -> None:
         assert_outputs_equal(step.output(), big)
         assert pub.stats.replaced_slots == 0  # grown, not replaced for a holder
         assert len(list(run_dir.glob("slot-*"))) == 2
+
+
+@pytest.mark.skipif(_accel._bridge is None, reason="arrow_outputs._arrowbridge not loaded")
+def test_arrows_writer_in_one_call_writes_pyarrows_bytes(tmp_path: Path) -> None:
+    """The C path writes each slot's message with _arrowbridge.write_message; the pure path
+    with pyarrow's stream writer. Every slot holds the same bytes either way: small steps,
+    a step that outgrows its file, and custom metadata given as a KeyValueMetadata (which
+    goes to pyarrow's writer on both paths)."""
+    big = ModelRunnerOutput(
+        req_ids=[f"r{i}" for i in range(3000)],
+        req_id_to_index={f"r{i}": i for i in range(3000)},
+        sampled_token_ids=[[i, i + 1] for i in range(3000)],
+    )
+    written: dict[str, list[bytes]] = {}
+    pyarrows_writer: dict[str, list[bool]] = {}
+    for path in ("c", "python"):
+        run = tmp_path / path
+        with codec_on(path), StepPublisher(run, slots=2) as pub, StepSubscriber(run) as sub:
+            raws = []
+            for seq in range(1, 7):
+                batch = to_record_batch(big if seq == 4 else _step(seq), step=seq)
+                custom = step_custom_metadata(batch)
+                pub.publish(batch, pa.KeyValueMetadata(custom) if seq == 5 else None)
+                step = sub.next(timeout=5)
+                assert step is not None
+                assert_outputs_equal(step.output(), big if seq == 4 else _step(seq))
+                slot = (seq - 1) % 2
+                f = pub._files[slot]
+                assert f is not None
+                raws.append(bytes(f.map[: int(pub._slot_tab[slot][2])]))
+                if seq == 3:
+                    pyarrows_writer[path] = [
+                        g is not None and g.writer is not None for g in pub._files
+                    ]
+                del step
+            written[path] = raws
+        remove_run(run)
+    assert written["c"] == written["python"]
+    assert pyarrows_writer == {"c": [False, False], "python": [True, True]}
 
 
 def _sleeping(pub: StepPublisher) -> bool:
