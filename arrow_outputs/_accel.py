@@ -56,6 +56,7 @@ __all__ = [
     "split_int_lists",
     "str_list",
     "utf8_array",
+    "read_message",
     "validate_full",
     "write_message",
 ]
@@ -277,6 +278,18 @@ def write_message(batch: pa.RecordBatch, metadata: Any, dest: Any, at: int) -> i
         return None
     end: int | None = _bridge.write_message(batch, metadata, dest, at)
     return end
+
+
+def read_message(data: pa.Buffer, schema: pa.Schema) -> tuple[pa.RecordBatch, Any] | None:
+    """The record batch of the one IPC message that fills ``data`` (its buffers slices of
+    ``data``), read against ``schema``, and the message's custom metadata as a list of byte
+    pairs (``_arrowbridge.read_message``: Arrow's own reader in one call). None on the pure
+    path, without the bridge, or for anything but one whole record-batch message: the caller
+    then reads with pyarrow, which says what is wrong."""
+    if not _using_c or _bridge is None:
+        return None
+    got: tuple[pa.RecordBatch, Any] | None = _bridge.read_message(data, schema)
+    return got
 
 
 def validate_full(batch: pa.RecordBatch) -> None:

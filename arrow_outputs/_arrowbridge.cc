@@ -6,6 +6,7 @@
  * schema_address(batch) -> int                                          (decode)
  * proven_valid(batch) -> bool                                          (decode, readers)
  * write_message(batch, metadata, dest, at) -> int | None               (sharing)
+ * read_message(data, schema) -> (RecordBatch, [(key, value)]) | None     (sharing)
  *
  * Decode. The walk (_speedups.decode_batch) reads a batch through the Arrow C Data
  * Interface: an ArrowArray tree that pyarrow fills with RecordBatch._export_to_c. That export
@@ -53,7 +54,11 @@
  * dict), and seek and tell calls. write_message writes the same bytes (the message Arrow's
  * stream writer gives, then the end-of-stream marker) into a writable buffer at an offset
  * in one call, and returns where they end; None when they do not fit or for anything it
- * does not take, and the caller writes with pyarrow (which also says why).
+ * does not take, and the caller writes with pyarrow (which also says why). A subscriber
+ * reads a slot's message back with read_message: Arrow's ReadMessage and ReadRecordBatch
+ * (the very calls under pyarrow's read_message and read_record_batch), with the message's
+ * custom metadata, in one call; None for anything but one whole record-batch message that
+ * Arrow reads, and the caller then reads with pyarrow, which words the error.
  *
  * Built against pyarrow's own C++ library (setup.py), so it only loads into the pyarrow it
  * was built against: a module built for another version refuses to import, and
@@ -69,6 +74,8 @@
 #include <arrow/config.h>
 #include <arrow/extension_type.h>
 #include <arrow/io/memory.h>
+#include <arrow/ipc/message.h>
+#include <arrow/ipc/reader.h>
 #include <arrow/ipc/writer.h>
 #include <arrow/python/pyarrow.h>
 #include <arrow/record_batch.h>
@@ -835,6 +842,77 @@ write_message(PyObject *, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromSsize_t(at + static_cast<Py_ssize_t>(written));
 }
 
+PyObject *
+read_message(PyObject *, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "read_message() takes 2 arguments (%zd given)", nargs);
+        return nullptr;
+    }
+    if (!arrow::py::is_buffer(args[0]) || !arrow::py::is_schema(args[1])) {
+        PyErr_Format(PyExc_TypeError,
+                     "read_message(): expected a pyarrow.Buffer and a pyarrow.Schema, got %s "
+                     "and %s",
+                     Py_TYPE(args[0])->tp_name, Py_TYPE(args[1])->tp_name);
+        return nullptr;
+    }
+    arrow::Result<std::shared_ptr<arrow::Buffer>> data = arrow::py::unwrap_buffer(args[0]);
+    arrow::Result<std::shared_ptr<arrow::Schema>> schema = arrow::py::unwrap_schema(args[1]);
+    if (!data.ok() || !schema.ok() || *data == nullptr || *schema == nullptr ||
+        !(*data)->is_cpu()) {
+        Py_RETURN_NONE;
+    }
+    std::shared_ptr<arrow::RecordBatch> batch;
+    std::shared_ptr<const arrow::KeyValueMetadata> custom;
+    try {
+        arrow::io::BufferReader reader(*data);
+        arrow::Result<std::unique_ptr<arrow::ipc::Message>> message =
+            arrow::ipc::ReadMessage(&reader);
+        if (!message.ok() || *message == nullptr ||
+            (*message)->type() != arrow::ipc::MessageType::RECORD_BATCH) {
+            Py_RETURN_NONE;
+        }
+        arrow::Result<int64_t> end = reader.Tell();
+        if (!end.ok() || *end != (*data)->size()) {
+            Py_RETURN_NONE;
+        }
+        arrow::Result<std::shared_ptr<arrow::RecordBatch>> read = arrow::ipc::ReadRecordBatch(
+            **message, *schema, nullptr, arrow::ipc::IpcReadOptions::Defaults());
+        if (!read.ok() || *read == nullptr) {
+            Py_RETURN_NONE;
+        }
+        batch = *std::move(read);
+        custom = (*message)->custom_metadata();
+    } catch (const std::bad_alloc &) {
+        return PyErr_NoMemory();
+    }
+    const int64_t npairs = custom == nullptr ? 0 : custom->size();
+    PyObject *pairs = PyList_New(static_cast<Py_ssize_t>(npairs));
+    if (pairs == nullptr) {
+        return nullptr;
+    }
+    for (int64_t i = 0; i < npairs; i++) {
+        const std::string &k = custom->key(i);
+        const std::string &v = custom->value(i);
+        PyObject *pair = Py_BuildValue("(y#y#)", k.data(), static_cast<Py_ssize_t>(k.size()),
+                                       v.data(), static_cast<Py_ssize_t>(v.size()));
+        if (pair == nullptr) {
+            Py_DECREF(pairs);
+            return nullptr;
+        }
+        PyList_SET_ITEM(pairs, static_cast<Py_ssize_t>(i), pair);
+    }
+    PyObject *wrapped = arrow::py::wrap_batch(batch);
+    if (wrapped == nullptr) {
+        Py_DECREF(pairs);
+        return nullptr;
+    }
+    PyObject *out = PyTuple_Pack(2, wrapped, pairs);
+    Py_DECREF(wrapped);
+    Py_DECREF(pairs);
+    return out;
+}
+
 // The address of a batch's C++ schema: batches read from one stream (or made against one
 // schema object) share it, so it keys what is derived from the schema alone.
 PyObject *
@@ -872,6 +950,12 @@ PyMethodDef methods[] = {
      "marker, into the writable buffer dest from offset at, as Arrow's stream writer writes "
      "them; the offset where they end, or None when they do not fit or it does not take the "
      "arguments (nothing to rely on is written then)."},
+    {"read_message", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(read_message)),
+     METH_FASTCALL,
+     "read_message(data, schema) -> (RecordBatch, [(key, value)]) | None: the record batch "
+     "of the one IPC message that fills the buffer data (its buffers slices of data), read "
+     "against schema as pyarrow's read_message and read_record_batch read it, with the "
+     "message's custom metadata; None for anything else (pyarrow then says what is wrong)."},
     {"schema_address", schema_address, METH_O,
      "schema_address(batch) -> int: the address of the batch's C++ schema, shared by the "
      "batches of one stream; a key only while that schema is held alive."},

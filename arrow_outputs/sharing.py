@@ -1068,6 +1068,9 @@ class StepSubscriber:
         """One record-batch message that fills ``data`` exactly: the batch (its buffers are
         slices of ``data``) and its custom metadata. Arrow checks the message's flatbuffer
         and that every buffer lies within the body; full validation comes after."""
+        got = _accel.read_message(data, self._schema)  # Arrow's reader in one call
+        if got is not None:
+            return got[0], pa.KeyValueMetadata(got[1])
         try:
             stream = pa.BufferReader(data)
             message = pa.ipc.read_message(stream)

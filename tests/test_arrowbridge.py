@@ -597,3 +597,55 @@ def test_write_message_refuses_bad_arguments() -> None:
     for at in (-1, 11):
         with pytest.raises(ValueError, match="outside a buffer of 10 bytes"):
             _accel._bridge.write_message(batch, {}, bytearray(10), at)
+
+
+# ----------------------------------------------------------------------------- read_message
+
+
+def _message_of(batch: pa.RecordBatch, custom: dict[bytes, bytes]) -> bytes:
+    stream, schema_len = _pyarrows_stream(batch, custom)
+    return stream[schema_len:-8]  # the batch message alone
+
+
+@pytest.mark.parametrize("name", BATCH_NAMES)
+def test_read_message_reads_what_pyarrow_reads_over_the_same_memory(name: str) -> None:
+    batch = dict(_batches())[name]
+    custom = {b"arrow_outputs.step": b'{"step": 1}', b"": b"\x00"}
+    data = pa.py_buffer(_message_of(batch, custom))
+    got = _accel._bridge.read_message(data, batch.schema)
+    assert got is not None
+    read, pairs = got
+    expected = pa.ipc.read_record_batch(pa.ipc.read_message(data), batch.schema)
+    assert read.equals(expected)
+    assert read.equals(batch)
+    assert pairs == list(custom.items())
+    lo, hi = data.address, data.address + data.size
+    for col in read.columns:  # every buffer with bytes inside the message: no copy
+        for b in col.buffers():
+            assert b is None or b.size == 0 or lo <= b.address < b.address + b.size <= hi
+
+
+def test_read_message_declines_anything_but_one_whole_batch_message() -> None:
+    batch = _struct_batch(3)
+    message = _message_of(batch, {b"k": b"v"})
+    stream, schema_len = _pyarrows_stream(batch, {b"k": b"v"})
+    declined = {
+        "trailing bytes": message + b"\x00" * 8,
+        "truncated": message[:-8],
+        "end of stream": b"\xff\xff\xff\xff\x00\x00\x00\x00",
+        "schema message": stream[:schema_len],
+        "empty": b"",
+        "garbage": b"\xa5" * 64,
+    }
+    for name, raw in declined.items():
+        assert _accel._bridge.read_message(pa.py_buffer(raw), batch.schema) is None, name
+    # Against another schema it reads what pyarrow reads (full validation comes after).
+    other = pa.schema([("x", pa.int8())])
+    got = _accel._bridge.read_message(pa.py_buffer(message), other)
+    data = pa.py_buffer(message)
+    assert got is not None
+    assert got[0].equals(pa.ipc.read_record_batch(pa.ipc.read_message(data), other))
+    with pytest.raises(TypeError, match=r"pyarrow\.Buffer and a pyarrow\.Schema"):
+        _accel._bridge.read_message(message, batch.schema)
+    with pytest.raises(TypeError, match="2 arguments"):
+        _accel._bridge.read_message(pa.py_buffer(message))
