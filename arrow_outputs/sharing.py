@@ -63,7 +63,7 @@ import pyarrow as pa
 from . import _accel, _pyspeedups
 from .batch import decode_checked, run_schema, step_custom_metadata, step_metadata
 from .errors import ArrowOutputsError, FieldTypeError, SchemaMismatchError
-from .schema import check_format
+from .schema import KEY_STEP, check_format
 
 __all__ = [
     "CorruptSegmentError",
@@ -751,22 +751,43 @@ class SharedStep:
         The step's sequence number in the run (1, 2, ...).
     batch
         The record batch, validated unless the subscriber was made with ``validate=False``.
-    custom_metadata
-        The batch's IPC custom metadata (its step JSON).
     validated
         Whether the subscriber validated the batch in full (it does unless made with
         ``validate=False``).
     """
 
-    __slots__ = ("batch", "custom_metadata", "seq", "validated")
+    __slots__ = ("_custom", "batch", "seq", "validated")
 
     def __init__(
         self, seq: int, batch: pa.RecordBatch, custom_metadata: Any, validated: bool = False
     ) -> None:
         self.seq = seq
         self.batch = batch
-        self.custom_metadata = custom_metadata
+        # A subscriber passes the message's (key, value) pairs: the KeyValueMetadata is made
+        # only when asked for (about 1-2 us a step that decoding does not need).
+        self._custom = custom_metadata
         self.validated = validated
+
+    @property
+    def custom_metadata(self) -> Any:
+        """The batch's IPC custom metadata (its step JSON), a ``pyarrow.KeyValueMetadata``
+        for the steps a subscriber reads."""
+        custom = self._custom
+        if type(custom) is list:
+            custom = self._custom = pa.KeyValueMetadata(custom)
+        return custom
+
+    def _step_custom(self) -> Any:
+        """What decoding reads of the custom metadata, without making it: its step key's
+        last value (as a KeyValueMetadata is read, ``batch._custom_raw``)."""
+        custom = self._custom
+        if type(custom) is not list:
+            return custom
+        raw = None
+        for key, value in custom:
+            if key == KEY_STEP:
+                raw = value
+        return None if raw is None else {KEY_STEP: raw}
 
     def output(
         self,
@@ -784,7 +805,7 @@ class SharedStep:
             validate = not self.validated
         return decode_checked(
             self.batch,
-            self.custom_metadata,
+            self._step_custom(),
             validate,
             missing_step_metadata,
             classes,
@@ -793,7 +814,7 @@ class SharedStep:
 
     def step_metadata(self) -> dict[str, Any]:
         """The step JSON, checked (:func:`~arrow_outputs.step_metadata`)."""
-        return step_metadata(self.batch, self.custom_metadata)
+        return step_metadata(self.batch, self._step_custom())
 
     def __repr__(self) -> str:
         return f"SharedStep(seq={self.seq}, rows={self.batch.num_rows})"
@@ -1066,11 +1087,11 @@ class StepSubscriber:
 
     def _decode(self, data: pa.Buffer, where: str) -> tuple[pa.RecordBatch, Any]:
         """One record-batch message that fills ``data`` exactly: the batch (its buffers are
-        slices of ``data``) and its custom metadata. Arrow checks the message's flatbuffer
+        slices of ``data``) and its custom metadata as (key, value) pairs. Arrow checks the message's flatbuffer
         and that every buffer lies within the body; full validation comes after."""
         got = _accel.read_message(data, self._schema)  # Arrow's reader in one call
         if got is not None:
-            return got[0], pa.KeyValueMetadata(got[1])
+            return got
         try:
             stream = pa.BufferReader(data)
             message = pa.ipc.read_message(stream)
@@ -1080,7 +1101,7 @@ class StepSubscriber:
                     f"one record-batch message of {data.size} bytes",
                     f"a message of {stream.tell()} bytes",
                 )
-            custom = pa.KeyValueMetadata(_custom_metadata(memoryview(message.metadata), where))
+            custom = _custom_metadata(memoryview(message.metadata), where)
             batch = pa.ipc.read_record_batch(message, self._schema)
         except EOFError as e:  # read_message at an end-of-stream marker
             raise CorruptSegmentError(

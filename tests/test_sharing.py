@@ -188,6 +188,33 @@ def test_subscriber_roundtrip_zero_copy(case: str, run_dir: Path) -> None:
             assert _inside(step.batch, sub, 1)
 
 
+@pytest.mark.parametrize("path", ["c", "python"])
+def test_a_steps_custom_metadata_is_every_pair_the_publisher_wrote(
+    path: str, run_dir: Path
+) -> None:
+    """Duplicates and foreign keys included; decoding reads the step key's last value, as
+    from a KeyValueMetadata."""
+    batch = _batch(1)
+    own = step_custom_metadata(batch)[b"arrow_outputs.step"]
+    wrong = step_custom_metadata(_batch(2))[b"arrow_outputs.step"]
+    pairs = [
+        (b"arrow_outputs.step", wrong),
+        (b"k", b"1"),
+        (b"k", b"2"),
+        (b"arrow_outputs.step", own),
+    ]
+    with codec_on(path), StepPublisher(run_dir) as pub, StepSubscriber(run_dir) as sub:
+        pub.publish(batch, pa.KeyValueMetadata(pairs))
+        step = sub.next(timeout=5)
+        assert step is not None
+        assert_outputs_equal(step.output(), _step(1))
+        assert step.step_metadata()["step"] == 1
+        custom = step.custom_metadata
+        assert isinstance(custom, pa.KeyValueMetadata)
+        assert list(custom.items()) == pairs
+        assert step.custom_metadata is custom  # made once
+
+
 def test_subscriber_sees_every_step_in_order_then_end(run_dir: Path) -> None:
     with StepPublisher(run_dir, slots=3) as pub, StepSubscriber(run_dir) as sub:
         for seq in range(1, 8):
@@ -781,7 +808,7 @@ def test_arrows_reader_in_one_call_reads_as_pyarrow_reads(run_dir: Path) -> None
                     except ArrowOutputsError as e:
                         seen.append((type(e), str(e)))
                     else:
-                        seen.append((batch, list(custom.items())))
+                        seen.append((batch, custom))
             if isinstance(seen[0][0], pa.RecordBatch) and isinstance(seen[1][0], pa.RecordBatch):
                 taken += 1
                 # Compared buffer by buffer: an unvalidated batch is not safe to read by
