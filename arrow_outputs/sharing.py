@@ -1087,8 +1087,9 @@ class StepSubscriber:
 
     def _decode(self, data: pa.Buffer, where: str) -> tuple[pa.RecordBatch, Any]:
         """One record-batch message that fills ``data`` exactly: the batch (its buffers are
-        slices of ``data``) and its custom metadata as (key, value) pairs. Arrow checks the message's flatbuffer
-        and that every buffer lies within the body; full validation comes after."""
+        slices of ``data``) and its custom metadata as (key, value) pairs. Arrow checks the
+        message's flatbuffer and that every buffer lies within the body; full validation
+        comes after."""
         got = _accel.read_message(data, self._schema)  # Arrow's reader in one call
         if got is not None:
             return got
