@@ -48,6 +48,7 @@ __all__ = [
     "mask_supports",
     "message_custom_metadata",
     "offsets_ok",
+    "read_message",
     "record_batch",
     "same_items",
     "sampled_rows",
@@ -56,7 +57,6 @@ __all__ = [
     "split_int_lists",
     "str_list",
     "utf8_array",
-    "read_message",
     "validate_full",
     "write_message",
 ]
