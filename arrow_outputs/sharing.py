@@ -461,7 +461,12 @@ class StepPublisher:
         if not isinstance(custom, pa.KeyValueMetadata) and not _bytes_dict(custom):
             # Checked and converted before any slot is touched; a dict of bytes goes to
             # Arrow's writer as it is (_accel.write_message).
-            custom = pa.KeyValueMetadata(custom)
+            try:
+                custom = pa.KeyValueMetadata(custom)
+            except (TypeError, ValueError) as e:
+                raise FieldTypeError(
+                    "custom_metadata", "a mapping of bytes (or str) to bytes (or str)", str(e)
+                ) from e
         if self._schema is None:
             self._start_run(batch)
         elif not batch.schema.equals(self._schema, check_metadata=False):

@@ -582,6 +582,20 @@ def test_publish_refuses_another_schema(run_dir: Path) -> None:
         assert pub.head == 1
 
 
+@pytest.mark.parametrize("custom", [{b"k": 1}, {1: b"v"}, 5, [(b"k", None)]])
+def test_publish_refuses_bad_custom_metadata_before_touching_a_slot(
+    custom: Any, run_dir: Path
+) -> None:
+    with StepPublisher(run_dir, slots=2) as pub, StepSubscriber(run_dir) as sub:
+        pub.publish(_batch(1))
+        with pytest.raises(FieldTypeError, match="custom_metadata"):
+            pub.publish(_batch(2), custom)
+        assert pub.head == 1
+        assert [int(e[0]) for e in pub._slot_tab] == [1, 0]  # S_SEQ: slot 1 never taken
+        pub.publish(_batch(2))
+        assert [s.seq for s in (sub.next(timeout=5), sub.next(timeout=5)) if s] == [1, 2]
+
+
 def test_max_consumers_full(run_dir: Path) -> None:
     with (
         StepPublisher(run_dir, max_consumers=1),
