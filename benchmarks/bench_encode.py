@@ -416,6 +416,8 @@ class FreshBatches:
     for all, as one stream reader or a ``StepSubscriber`` has it); ``next()`` hands them out
     in turn, each with its step's custom metadata. They are kept until the next
     ``prepare``, so that freeing them is not timed (pickle's input is not freed either).
+    The timing loop reads them ``FRESH_CHUNK`` at a time, just before their calls, as a
+    receiver decodes a batch it has just read.
     """
 
     def __init__(self, received: list[tuple[pa.RecordBatch, Any]]) -> None:
@@ -503,12 +505,27 @@ class Figure:
         return len(last) == s.stable_checks and max(last) <= min(last) * (1 + s.stable_tol)
 
 
+# Decode calls are timed in runs of this many batches, each run read (untimed) just before
+# it: a receiving process decodes a batch right after reading it, while its objects are in
+# the CPU's caches, as pickle.loads finds its (cycled) input; batches read a whole sample
+# ahead (hundreds) would have left the caches by their turn.
+FRESH_CHUNK = 8
+
+
 def _time_calls(
     fn: Callable[[], Any], number: int, prepare: Callable[[int], None] | None = None
 ) -> int:
-    if prepare is not None:
-        prepare(number)
     clock = time.perf_counter_ns
+    if prepare is not None:
+        took = 0
+        for start in range(0, number, FRESH_CHUNK):
+            k = min(FRESH_CHUNK, number - start)
+            prepare(k)
+            t0 = clock()
+            for _ in range(k):
+                fn()
+            took += clock() - t0
+        return took
     t0 = clock()
     for _ in range(number):
         fn()
@@ -1018,7 +1035,7 @@ def results_json(
 # ----------------------------------------------------------------------------- collector on
 
 GC_SIZES = (64, 256, 1024)
-GC_CHUNK = 64  # calls timed together; the arrow side's fresh batches are read between chunks
+GC_CHUNK = 64  # calls per _time_calls (the arrow side's fresh batches: FRESH_CHUNK at a time)
 
 
 def gc_on_decode(accel: Accel, paths: list[str], quick: bool) -> dict[str, Any]:
@@ -1028,9 +1045,10 @@ def gc_on_decode(accel: Accel, paths: list[str], quick: bool) -> dict[str, Any]:
     it on, and decoding a step makes one list per request: each side is charged the
     collections its allocations set off. A sample is the mean per call over a block of calls
     (~0.1 s of timed calls, in chunks of ``GC_CHUNK``, each arrow call on a fresh batch read
-    before its chunk; collections are rare and costly, so a median per call would leave them
-    out), the two sides' blocks interleaved; figures are medians of the blocks, with this
-    process's tracked objects (what a full collection walks) printed alongside.
+    just before it, ``FRESH_CHUNK`` at a time; collections are rare and costly, so a median
+    per call would leave them out), the two sides' blocks interleaved; figures are medians
+    of the blocks, with this process's tracked objects (what a full collection walks)
+    printed alongside.
     """
     path = paths[0]  # the C path when it is measured
     accel.use(path)
