@@ -560,6 +560,17 @@ utf8_proven(const arrow::ArrayData &d)
     return true;
 }
 
+// A (large) string or binary array's characters present, its offsets proven against them,
+// and (for strings) every slot valid UTF-8.
+template <typename O>
+bool
+binary_proven(const arrow::ArrayData &d, bool utf8)
+{
+    const arrow::Buffer *chars = d.buffers[2].get();
+    return chars != nullptr && chars->address() != 0 && offsets_proven<O>(d, chars->size()) &&
+           (!utf8 || d.length == 0 || utf8_proven<O>(d));
+}
+
 // The byte width of a fixed-width numeric type; 0 for any other type.
 int
 numeric_width(arrow::Type::type id)
@@ -661,23 +672,13 @@ proven(const arrow::ArrayData &d, const arrow::DataType &declared, int depth)
     }
     switch (id) {
     case arrow::Type::STRING:
-    case arrow::Type::BINARY: {
-        const arrow::Buffer *chars = d.buffers[2].get();
-        if (chars == nullptr || chars->address() == 0 ||
-            !offsets_proven<int32_t>(d, chars->size())) {
-            return false;
-        }
-        return id == arrow::Type::BINARY || n == 0 || utf8_proven<int32_t>(d);
-    }
+        return binary_proven<int32_t>(d, true);
+    case arrow::Type::BINARY:
+        return binary_proven<int32_t>(d, false);
     case arrow::Type::LARGE_STRING:
-    case arrow::Type::LARGE_BINARY: {
-        const arrow::Buffer *chars = d.buffers[2].get();
-        if (chars == nullptr || chars->address() == 0 ||
-            !offsets_proven<int64_t>(d, chars->size())) {
-            return false;
-        }
-        return id == arrow::Type::LARGE_BINARY || n == 0 || utf8_proven<int64_t>(d);
-    }
+        return binary_proven<int64_t>(d, true);
+    case arrow::Type::LARGE_BINARY:
+        return binary_proven<int64_t>(d, false);
     case arrow::Type::LIST:
     case arrow::Type::LARGE_LIST: {
         const arrow::ArrayData *values = d.child_data[0].get();
