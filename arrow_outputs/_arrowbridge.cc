@@ -219,6 +219,21 @@ fill(const arrow::ArrayData &d, ArrowArray *out, Cursor *at)
     }
 }
 
+// The C++ batch of a pyarrow.RecordBatch; null, with a TypeError naming fn, for anything else.
+std::shared_ptr<arrow::RecordBatch>
+batch_of(PyObject *obj, const char *fn)
+{
+    if (arrow::py::is_batch(obj)) {
+        arrow::Result<std::shared_ptr<arrow::RecordBatch>> got = arrow::py::unwrap_batch(obj);
+        if (got.ok() && *got != nullptr) {
+            return *std::move(got);
+        }
+    }
+    PyErr_Format(PyExc_TypeError, "%s(): expected a pyarrow.RecordBatch, got %s", fn,
+                 Py_TYPE(obj)->tp_name);
+    return nullptr;
+}
+
 PyObject *
 export_into(PyObject *, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -227,9 +242,8 @@ export_into(PyObject *, PyObject *const *args, Py_ssize_t nargs)
         return nullptr;
     }
     PyObject *obj = args[0];
-    if (!arrow::py::is_batch(obj)) {
-        PyErr_Format(PyExc_TypeError, "export_into(): expected a pyarrow.RecordBatch, got %s",
-                     Py_TYPE(obj)->tp_name);
+    const std::shared_ptr<arrow::RecordBatch> got = batch_of(obj, "export_into");
+    if (got == nullptr) {
         return nullptr;
     }
     void *address = PyLong_AsVoidPtr(args[1]);
@@ -244,12 +258,7 @@ export_into(PyObject *, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_ValueError, "export_into(): the slot holds an unreleased array");
         return nullptr;
     }
-    arrow::Result<std::shared_ptr<arrow::RecordBatch>> got = arrow::py::unwrap_batch(obj);
-    if (!got.ok()) {
-        PyErr_SetString(PyExc_TypeError, "export_into(): not a usable pyarrow.RecordBatch");
-        return nullptr;
-    }
-    const arrow::RecordBatch &batch = **got;
+    const arrow::RecordBatch &batch = *got;
     const int ncols = batch.num_columns();
     Sizes s;
     s.buffers = 1;  // the root's validity (none)
@@ -735,17 +744,11 @@ constexpr int64_t kReleaseGilRows = 256;
 PyObject *
 proven_valid(PyObject *, PyObject *obj)
 {
-    if (!arrow::py::is_batch(obj)) {
-        PyErr_Format(PyExc_TypeError, "proven_valid(): expected a pyarrow.RecordBatch, got %s",
-                     Py_TYPE(obj)->tp_name);
+    const std::shared_ptr<arrow::RecordBatch> got = batch_of(obj, "proven_valid");
+    if (got == nullptr) {
         return nullptr;
     }
-    arrow::Result<std::shared_ptr<arrow::RecordBatch>> got = arrow::py::unwrap_batch(obj);
-    if (!got.ok()) {
-        PyErr_SetString(PyExc_TypeError, "proven_valid(): not a usable pyarrow.RecordBatch");
-        return nullptr;
-    }
-    const arrow::RecordBatch &batch = **got;
+    const arrow::RecordBatch &batch = *got;
     const arrow::Schema &schema = *batch.schema();
     const int ncols = batch.num_columns();
     const int64_t rows = batch.num_rows();
@@ -773,10 +776,8 @@ write_message(PyObject *, PyObject *const *args, Py_ssize_t nargs)
         PyErr_Format(PyExc_TypeError, "write_message() takes 4 arguments (%zd given)", nargs);
         return nullptr;
     }
-    PyObject *obj = args[0];
-    if (!arrow::py::is_batch(obj)) {
-        PyErr_Format(PyExc_TypeError, "write_message(): expected a pyarrow.RecordBatch, got %s",
-                     Py_TYPE(obj)->tp_name);
+    const std::shared_ptr<arrow::RecordBatch> got = batch_of(args[0], "write_message");
+    if (got == nullptr) {
         return nullptr;
     }
     if (!PyDict_CheckExact(args[1])) {
@@ -784,11 +785,6 @@ write_message(PyObject *, PyObject *const *args, Py_ssize_t nargs)
     }
     const Py_ssize_t at = PyLong_AsSsize_t(args[3]);
     if (at == -1 && PyErr_Occurred()) {
-        return nullptr;
-    }
-    arrow::Result<std::shared_ptr<arrow::RecordBatch>> got = arrow::py::unwrap_batch(obj);
-    if (!got.ok()) {
-        PyErr_SetString(PyExc_TypeError, "write_message(): not a usable pyarrow.RecordBatch");
         return nullptr;
     }
     std::shared_ptr<const arrow::KeyValueMetadata> metadata;
@@ -806,7 +802,7 @@ write_message(PyObject *, PyObject *const *args, Py_ssize_t nargs)
         return nullptr;
     }
     static const uint8_t kEndOfStream[8] = {0xff, 0xff, 0xff, 0xff, 0, 0, 0, 0};
-    const arrow::RecordBatch &batch = **got;
+    const arrow::RecordBatch &batch = *got;
     auto target = std::make_shared<arrow::MutableBuffer>(static_cast<uint8_t *>(view.buf) + at,
                                                          static_cast<int64_t>(view.len - at));
     int64_t written = -1;
@@ -919,12 +915,8 @@ read_message(PyObject *, PyObject *const *args, Py_ssize_t nargs)
 PyObject *
 schema_address(PyObject *, PyObject *obj)
 {
-    if (!arrow::py::is_batch(obj)) {
-        PyErr_Format(PyExc_TypeError, "schema_address(): expected a pyarrow.RecordBatch, got %s",
-                     Py_TYPE(obj)->tp_name);
-        return nullptr;
-    }
-    return PyLong_FromVoidPtr((*arrow::py::unwrap_batch(obj))->schema().get());
+    const std::shared_ptr<arrow::RecordBatch> got = batch_of(obj, "schema_address");
+    return got == nullptr ? nullptr : PyLong_FromVoidPtr(got->schema().get());
 }
 
 PyMethodDef methods[] = {
