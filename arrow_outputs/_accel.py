@@ -78,10 +78,11 @@ AVAILABLE: bool = _compiled is not None
 
 # The C path's crossings into pyarrow done in Arrow's C++ library (``_arrowbridge``, C++
 # against the pyarrow it was built with): the encode's batch made from its nodes, the decode
-# walk's tree filled from a batch's buffers, a batch's schema identity. Unlike ``_speedups``
-# it may fail to load in a sound install: upgrading pyarrow after installing arrow-outputs
-# makes it refuse to load (or its library go missing), and the C path then crosses through
-# pyarrow's own import and export, with the same results.
+# walk's tree filled from a batch's buffers, a batch's schema identity, the proof of full
+# validation, and the sharing path's IPC messages written and read in one call. Unlike
+# ``_speedups`` it may fail to load in a sound install: upgrading pyarrow after installing
+# arrow-outputs makes it refuse to load (or its library go missing), and the C path then
+# goes through pyarrow's own API, with the same results.
 _bridge: ModuleType | None
 try:
     import arrow_outputs._arrowbridge as _bridge

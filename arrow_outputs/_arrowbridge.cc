@@ -738,7 +738,9 @@ columns_proven(const arrow::RecordBatch &batch, const arrow::Schema &schema)
     return true;
 }
 
-// Batches of more rows than this are checked without the GIL, as pyarrow's validation is.
+// Batches of more rows than this are checked (proven_valid) and written (write_message)
+// without the GIL, as pyarrow's validation and writer run; smaller ones are done before
+// another thread could have taken the GIL.
 constexpr int64_t kReleaseGilRows = 256;
 
 PyObject *
@@ -765,9 +767,6 @@ proven_valid(PyObject *, PyObject *obj)
     }
     return PyBool_FromLong(ok);
 }
-
-// Batches of more rows than this are written without the GIL, as pyarrow's writer does.
-constexpr int64_t kWriteReleaseGilRows = 256;
 
 PyObject *
 write_message(PyObject *, PyObject *const *args, Py_ssize_t nargs)
@@ -821,7 +820,7 @@ write_message(PyObject *, PyObject *const *args, Py_ssize_t nargs)
         written = end.ok() ? *end : -1;
     };
     try {
-        if (batch.num_rows() > kWriteReleaseGilRows) {
+        if (batch.num_rows() > kReleaseGilRows) {
             Py_BEGIN_ALLOW_THREADS
             write();
             Py_END_ALLOW_THREADS

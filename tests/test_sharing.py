@@ -760,6 +760,16 @@ def test_end_of_stream_in_place_of_the_batch_is_refused(run_dir: Path) -> None:
         assert_outputs_equal(step.output(), _step(2))
 
 
+def _published_message(pub: StepPublisher, batch: pa.RecordBatch) -> tuple[int, Any, int, int]:
+    """Publish ``batch``: its step, the slot file it went to, and where its batch message
+    lies in that file (after the schema message, before the end-of-stream marker)."""
+    seq = pub.publish(batch)
+    slot = (seq - 1) % pub._slots
+    f = pub._files[slot]
+    assert f is not None
+    return seq, f, pub._schema_len, int(pub._slot_tab[slot][2]) - 8
+
+
 def test_mutated_slot_messages_give_only_our_errors(run_dir: Path) -> None:
     """Random byte changes in a slot's batch message (header and body): every read either
     returns a batch that passed full validation or raises an arrow_outputs error."""
@@ -767,11 +777,7 @@ def test_mutated_slot_messages_give_only_our_errors(run_dir: Path) -> None:
     with StepPublisher(run_dir, slots=2) as pub, StepSubscriber(run_dir) as sub:
         refused = 0
         for i in range(300):
-            seq = pub.publish(_batch(1 + i % 5))
-            slot = (seq - 1) % 2
-            f = pub._files[slot]
-            assert f is not None
-            start, end = pub._schema_len, int(pub._slot_tab[slot][2]) - 8
+            seq, f, start, end = _published_message(pub, _batch(1 + i % 5))
             span = min(end - start, 600) if i % 2 else end - start  # the header, or anywhere
             for at in start + rng.integers(0, span, size=int(rng.integers(1, 5))):
                 f.map[int(at)] = int(rng.integers(0, 256))
@@ -802,11 +808,7 @@ def test_arrows_reader_in_one_call_reads_as_pyarrow_reads(run_dir: Path) -> None
     taken = 0
     with StepPublisher(run_dir, slots=2) as pub, StepSubscriber(run_dir) as sub:
         for i in range(400):
-            seq = pub.publish(_batch(1 + i % 5))
-            slot = (seq - 1) % 2
-            f = pub._files[slot]
-            assert f is not None
-            start, end = pub._schema_len, int(pub._slot_tab[slot][2]) - 8
+            _, f, start, end = _published_message(pub, _batch(1 + i % 5))
             raw = bytearray(f.map[start:end])
             assert sub.next(timeout=5) is not None
             if i % 4:  # one in four intact
